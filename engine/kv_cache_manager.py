@@ -1,0 +1,203 @@
+"""The KV cache manager: which blocks each request owns, prefix-cache lookups, and hit stats.
+
+The scheduler talks to this class only. A request (duck-typed) provides `request_id`,
+`all_token_ids`, `num_tokens`, `num_computed_tokens` and `cache_salt`.
+
+Per request the manager keeps its block list, the hashes of its full blocks (extended
+incrementally as tokens arrive, never recomputed) and how many of its blocks are
+already registered in the prefix cache. `free` drops all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+
+
+class KVRequest(Protocol):
+    """What the manager reads from a request."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    cache_salt: str | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters, in tokens (requests counts first allocations)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self._stats = PrefixCacheStats()
+        self.total_prefix_cache_stats = PrefixCacheStats()
+
+    # ---- sizes -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens: must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ------------------------------------------------------------------
+
+    def _block_hashes(self, request: KVRequest) -> list[BlockHash]:
+        """The request's full-block hashes, extended to cover its current full blocks."""
+        hashes = self.req_to_block_hashes.get(request.request_id)
+        if hashes is None:
+            hashes = self.req_to_block_hashes[request.request_id] = []
+        bs = self.block_size
+        tokens = request.all_token_ids
+        num_full = len(tokens) // bs
+        if len(hashes) < num_full:
+            salt = request.cache_salt
+            for i in range(len(hashes), num_full):
+                parent = hashes[-1] if hashes else None
+                # The salt enters the first block; the chain carries it to all later ones.
+                extra = (salt,) if (i == 0 and salt is not None) else None
+                hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+        return hashes
+
+    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of the request, and the tokens they hold.
+
+        The hit stops short of the last token, which must be recomputed to produce logits.
+        Ref counts and stats are untouched: `allocate_slots` takes the references.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = max(0, request.num_tokens - 1) // self.block_size
+        computed: list[KVCacheBlock] = []
+        get = self.block_pool.get_cached_block
+        for h in hashes[:max_blocks]:
+            block = get(h)
+            if block is None:
+                break
+            computed.append(block)
+        return computed, len(computed) * self.block_size
+
+    # ---- allocation --------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make the request own blocks for computed + new computed + new tokens.
+
+        Returns the newly allocated blocks (not the hit blocks), or None, with nothing
+        changed, when there are not enough free blocks.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens: must be >= 0, got {num_new_tokens}")
+        if num_new_computed_tokens < 0:
+            raise ValueError(f"num_new_computed_tokens: must be >= 0, got {num_new_computed_tokens}")
+        rid = request.request_id
+        hit_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.get(rid)
+        first_allocation = req_blocks is None
+        if hit_blocks and req_blocks:
+            raise ValueError(f"new_computed_blocks: request {rid} already holds blocks")
+        num_prior_tokens = request.num_computed_tokens + num_new_computed_tokens
+        if len(hit_blocks) * self.block_size > num_prior_tokens:
+            raise ValueError(
+                f"new_computed_blocks: {len(hit_blocks)} blocks exceed the "
+                f"{num_prior_tokens} computed tokens"
+            )
+
+        num_total_tokens = num_prior_tokens + num_new_tokens
+        num_held = (len(req_blocks) if req_blocks else 0) + len(hit_blocks)
+        num_needed = max(0, self.num_blocks_for(num_total_tokens) - num_held)
+        # Hit blocks with ref 0 are counted as free now but leave the free queue when touched.
+        num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if num_needed > self.block_pool.num_free_blocks - num_free_hits:
+            return None
+
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[rid] = []
+        if hit_blocks:
+            self.block_pool.touch(hit_blocks)  # before get_new_blocks, so hits are not evicted
+            req_blocks.extend(hit_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_needed)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, min(num_total_tokens, len(request.all_token_ids)))
+        if first_allocation:
+            self._record_stats(request.num_tokens, num_new_computed_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: KVRequest, req_blocks: list[KVCacheBlock], num_known_tokens: int) -> None:
+        rid = request.request_id
+        num_cached = self.num_cached_blocks.get(rid, 0)
+        num_full = num_known_tokens // self.block_size
+        if num_full <= num_cached:
+            return
+        hashes = self._block_hashes(request)
+        self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+        self.num_cached_blocks[rid] = num_full
+
+    def _record_stats(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        for stats in (self._stats, self.total_prefix_cache_stats):
+            stats.requests += 1
+            stats.queries += num_query_tokens
+            stats.hits += num_hit_tokens
+
+    def free(self, request: KVRequest) -> None:
+        """Release all of the request's blocks, tail first (so the tail is evicted before the prefix)."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.req_to_block_hashes.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """Physical block ids of the request in logical order ([] if it holds none)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Counters since the previous call (then reset)."""
+        stats, self._stats = self._stats, PrefixCacheStats()
+        return stats
