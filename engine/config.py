@@ -1,0 +1,152 @@
+"""Engine configuration: one validated pydantic model, resolved once against the model's HF config."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_memory_size(value: int | float | str) -> int:
+    """Bytes from an int or a string such as "4GiB", "512MiB", "2GB", "1e9"."""
+    if isinstance(value, bool):
+        raise ValueError("kv_cache_memory: expected a size in bytes or a string such as '4GiB'")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"kv_cache_memory: cannot parse {value!r}; use bytes or e.g. '4GiB', '512MiB'")
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory: must be positive, got {value!r}")
+    return size
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_kv_cache_memory() -> int:
+    """On CPU: a quarter of the memory that is available now, capped at 8 GiB, at least 256 MiB."""
+    available = _available_memory_bytes()
+    return max(256 * 1024**2, min(available // 4, 8 * 1024**3))
+
+
+class EngineConfig(BaseModel):
+    """Everything one engine needs; mirrors vLLM's `EngineArgs` where they overlap."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = "auto"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1)
+    block_size: int = Field(default=16, ge=1, le=1024)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int | str | None = None
+    num_kv_blocks: int | None = Field(default=None, ge=1, description="Override the number of KV blocks (tests).")
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_logprobs: int = Field(default=20, ge=0)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    distributed_executor_backend: Literal["uni", "ray"] | None = None
+    placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    kv_transfer_config: dict[str, Any] | None = None
+
+    # Resolved from the HF config by `resolve()`; not user input.
+    hf_config: Any = Field(default=None, exclude=True)
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_kv_memory(cls, v: int | str | None) -> int | str | None:
+        if v is not None:
+            parse_memory_size(v)
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size: must be a power of two, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> "EngineConfig":
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                "distributed_executor_backend: 'uni' runs one worker; tensor_parallel_size * "
+                "pipeline_parallel_size > 1 needs 'ray'"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "ray" if self.world_size > 1 else "uni"
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        if self.kv_cache_memory is None:
+            return default_kv_cache_memory()
+        return parse_memory_size(self.kv_cache_memory)
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolve(self) -> "EngineConfig":
+        """Load the HF config and fill in the derived limits (max_model_len, token budget)."""
+        from transformers import AutoConfig
+
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model: {self.model!r} is not a local directory (pagedserve loads HF-format folders)")
+        hf_config = AutoConfig.from_pretrained(self.model)
+        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = self.max_model_len or max_pos
+        if max_model_len > max_pos:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, max_pos)
+        if self.max_num_batched_tokens is not None:
+            budget = self.max_num_batched_tokens
+        else:
+            budget = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens: {budget} is smaller than max_model_len {max_model_len}; "
+                "without chunked prefill a whole prompt must fit in one step"
+            )
+        update = dict(hf_config=hf_config, max_model_len=max_model_len, max_num_batched_tokens=budget)
+        return self.model_copy(update=update)

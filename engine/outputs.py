@@ -1,0 +1,100 @@
+"""What users get back: vLLM-compatible `RequestOutput` / `CompletionOutput`, plus the engine core's per-step output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A position's logprobs: token id -> Logprob. Sample logprobs are a list of these, one per output token.
+SampleLogprobs = list[dict[int, "Logprob"]]
+PromptLogprobs = list[dict[int, "Logprob"] | None]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress in one engine step (tokens are the new ones only)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: [(token_id, logprob, rank), ...] with the sampled token first; None when not requested.
+    new_logprobs: list[list[tuple[int, float, int]]] | None = None
+    # Prompt logprobs for the prompt positions computed in this step (position 0 gets None).
+    new_prompt_logprobs: list[list[tuple[int, float, int]] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative tokens
+    prefix_cache_hits: int = 0  # cumulative tokens
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_prompt_tokens: int = 0  # cumulative computed prompt tokens
+    num_generation_tokens: int = 0  # cumulative
+    num_steps: int = 0  # cumulative engine steps that ran the model
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,58 @@
+"""What the scheduler hands the workers each step, and what the workers hand back.
+
+Workers may live in other processes (Ray actors), so a step carries only diffs:
+full data for requests a worker has not seen, and for known requests just the new
+blocks, the new tokens and how far the cache has been computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: set[int]
+    bad_words_token_ids: list[list[int]]
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    # Tokens appended to the request since the worker last saw it (sampled outputs).
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    # After a preemption the request's blocks were all freed: new_block_ids replaces the table.
+    resumed_from_preemption: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> number of tokens to compute this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished or aborted since the last step: workers drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Only requests whose scheduled tokens reached the end of their known tokens get a sampled token.
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[list[tuple[int, float, int]] | None]] = field(default_factory=dict)

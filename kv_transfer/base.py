@@ -1,0 +1,66 @@
+"""The KV connector API (DESIGN.md, "Disaggregated prefill / decode").
+
+A connector has two halves. The scheduler half runs in the engine core and decides
+how many of a request's prompt tokens can be loaded from elsewhere instead of being
+computed, and what to keep for a reader when a request finishes. The worker half
+runs next to the model and moves the KV of individual layers: it starts loading
+before the forward pass, each attention layer waits for its own layer, and each
+layer's freshly written KV may be saved as soon as the layer has run.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+import torch
+
+
+class ConnectorRequest(Protocol):
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int
+
+
+class KVConnectorScheduler(ABC):
+    """Scheduler-side half: decisions about which tokens' KV comes from (or goes to) elsewhere."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        """Prompt tokens beyond `num_computed_tokens` (local prefix hits) whose KV can be loaded externally."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int) -> None:
+        """Called once blocks are allocated for a request that will load `num_external_tokens` tokens."""
+
+    @abstractmethod
+    def build_connector_metadata(self) -> Any:
+        """What the worker half needs this step (which blocks to load and save); attached to the scheduler output."""
+
+    @abstractmethod
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        """A request finished. Return True to keep its blocks alive until the transfer completes."""
+
+
+class KVConnectorWorker(ABC):
+    """Worker-side half: moves the KV of individual layers around the forward pass."""
+
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The worker's paged KV cache, one (key_cache, value_cache) pair per local layer."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: Any) -> None:
+        """Begin loading external KV for this step (may be asynchronous)."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until layer `layer_idx`'s external KV is in the paged cache."""
+
+    @abstractmethod
+    def save_layer(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, attn_metadata: Any) -> None:
+        """Layer `layer_idx` has written this step's KV: ship what the metadata asks to save."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until every save started this step has completed."""
