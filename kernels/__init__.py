@@ -1,0 +1,24 @@
+"""pagedserve kernels: one entry point per op, Triton on CUDA tensors, the torch twin on CPU.
+
+The Triton modules (kernels.triton.*) are imported lazily inside the CUDA branches,
+so the CPU path never imports triton.
+"""
+
+from kernels.activation import silu_and_mul
+from kernels.attention import paged_decode_attention, paged_prefill_attention
+from kernels.cache import reshape_and_cache
+from kernels.norm import fused_add_rms_norm, rms_norm
+from kernels.rotary import compute_rope_cos_sin_cache, rotary_embedding
+from kernels.sampling import apply_top_k_top_p_min_p
+
+__all__ = [
+    "apply_top_k_top_p_min_p",
+    "compute_rope_cos_sin_cache",
+    "fused_add_rms_norm",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]

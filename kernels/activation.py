@@ -1,0 +1,18 @@
+"""Entry point: SiLU-and-mul (the gated MLP activation)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.torch_impl.activation import silu_and_mul_torch
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2*d] -> silu(x[..., :d]) * x[..., d:]."""
+    if x.dim() == 0 or x.shape[-1] % 2 != 0:
+        raise ValueError(f"x last dim must be even, got shape {tuple(x.shape)}")
+    if x.is_cuda:
+        from kernels.triton.activation import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_torch(x)

@@ -1,0 +1,81 @@
+"""Entry points: paged decode attention and varlen prefill attention over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._validate import check_dim, check_kv_cache, check_sliding_window
+from kernels.torch_impl.attention import paged_decode_attention_torch, paged_prefill_attention_torch
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    seq_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (at position seq_len-1) over its blocks. Returns [num_seqs, num_heads, head_size]."""
+    check_dim("query", query, 3)
+    check_kv_cache(query, key_cache, value_cache)
+    check_dim("block_tables", block_tables, 2)
+    check_dim("seq_lens", seq_lens, 1)
+    check_sliding_window(sliding_window)
+    if block_tables.shape[0] != query.shape[0] or seq_lens.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"block_tables rows {block_tables.shape[0]} / seq_lens length {seq_lens.shape[0]} "
+            f"!= query num_seqs {query.shape[0]}"
+        )
+    if query.is_cuda:
+        from kernels.triton.decode_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, seq_lens_cpu
+        )
+    return paged_decode_attention_torch(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, seq_lens_cpu
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    query_start_loc_cpu: list[int] | None = None,
+    seq_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flat varlen query batch over each sequence's cached prefix plus its new tokens.
+
+    The new tokens' K/V must already be in the cache. Returns [num_tokens, num_heads, head_size].
+    """
+    check_dim("query", query, 3)
+    check_kv_cache(query, key_cache, value_cache)
+    check_dim("block_tables", block_tables, 2)
+    check_dim("query_start_loc", query_start_loc, 1)
+    check_dim("seq_lens", seq_lens, 1)
+    check_sliding_window(sliding_window)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc length {query_start_loc.shape[0]} must be num_seqs+1 and block_tables rows "
+            f"{block_tables.shape[0]} must be num_seqs ({num_seqs})"
+        )
+    if query.is_cuda:
+        from kernels.triton.prefill_attention import paged_prefill_attention_triton
+
+        return paged_prefill_attention_triton(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+            sliding_window, query_start_loc_cpu, seq_lens_cpu,
+        )
+    return paged_prefill_attention_torch(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+        sliding_window, query_start_loc_cpu, seq_lens_cpu,
+    )

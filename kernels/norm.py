@@ -1,0 +1,36 @@
+"""Entry points: RMSNorm and fused residual-add RMSNorm."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.torch_impl.norm import fused_add_rms_norm_torch, rms_norm_torch
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match x hidden size {x.shape[-1]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: fp32 statistics, result in x.dtype."""
+    _check(x, weight)
+    if x.is_cuda:
+        from kernels.triton.norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    _check(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if x.is_cuda:
+        from kernels.triton.norm import fused_add_rms_norm_triton
+
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_torch(x, residual, weight, eps)
