@@ -1,0 +1,152 @@
+"""Per-request sampling parameters: the vLLM-compatible `SamplingParams` surface.
+
+Validation happens once, here, at construction (and on assignment), so the sampler
+and detokenizer can trust every field. Errors are pydantic `ValidationError`s, which
+subclass `ValueError`, and always name the offending field.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Temperatures below this are treated as greedy (argmax) sampling, as in vLLM.
+GREEDY_TEMPERATURE_EPS = 1e-5
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+class SamplingParams(BaseModel):
+    """How to sample the tokens of one request (defaults as in vLLM)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    n: int = Field(default=1, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = 0  # 0 or -1 disable; otherwise >= 1
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = Field(default=16, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] = Field(default_factory=list)
+    detokenize: bool = True
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {v}")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _normalize_stop(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop must not contain an empty string")
+        return v
+
+    @field_validator("stop_token_ids", "bad_words", mode="before")
+    @classmethod
+    def _none_to_list(cls, v: Any) -> Any:
+        return [] if v is None else v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError(f"stop_token_ids must be non-negative, got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _clamp_logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        # JSON object keys arrive as strings; pydantic has already coerced them to int.
+        if v is None:
+            return None
+        out: dict[int, float] = {}
+        for token_id, bias in v.items():
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+            out[token_id] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
+        return out
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> SamplingParams:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings require detokenize=True")
+        return self
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling_type == SamplingType.GREEDY
+
+    def clone(self) -> SamplingParams:
+        return self.model_copy(deep=True)
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Reject token ids the model cannot produce (call once the vocab size is known)."""
+        for name, ids in (
+            ("logit_bias", list(self.logit_bias or ())),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad} are outside the vocabulary (size {vocab_size})")
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer: _Encoder) -> list[list[int]]:
+    """Token sequences to ban for each bad word: as encoded at the start of a text and
+    after a space (byte-level and sentencepiece tokenizers encode the two differently)."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        stripped = word.lstrip()
+        for text in (stripped, " " + stripped):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
