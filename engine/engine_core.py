@@ -1,0 +1,71 @@
+"""The engine core: scheduler + executor + KV cache, stepped one batch at a time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from engine.config import EngineConfig
+from engine.executor.base import Executor
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import EngineCoreOutput, SchedulerStats
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = Executor.get_class(config)(config)
+        try:
+            num_blocks = self.executor.determine_num_kv_blocks()
+            if num_blocks < 1:
+                raise ValueError(
+                    "kv_cache_memory: the KV cache budget does not hold a single block "
+                    f"of {config.block_size} tokens; raise it"
+                )
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_blocks = num_blocks
+        capacity = num_blocks * config.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens; max concurrency at max_model_len=%d: %.2fx",
+            num_blocks, config.block_size, capacity, config.max_model_len, capacity / config.max_model_len,
+        )
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        return self.num_blocks * self.config.block_size
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule one batch, run it, and turn the sampled tokens into per-request outputs."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        # Run even an empty step: it carries the finished request ids the workers must forget.
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

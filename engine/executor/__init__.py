@@ -1,0 +1,3 @@
+from engine.executor.base import Executor
+
+__all__ = ["Executor"]

@@ -1,0 +1,52 @@
+"""How the engine drives its workers. Backends are resolved by name so `engine/` never imports Ray."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+# backend name -> "module:Class"; the one place that knows where executors live.
+_EXECUTOR_BACKENDS = {
+    "uni": "engine.executor.uniproc:UniProcExecutor",
+    "ray": "cluster.ray_executor:RayExecutor",
+}
+
+
+class Executor(ABC):
+    # How many batches the engine may have in flight at once (pipeline parallelism).
+    max_concurrent_batches: int = 1
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        backend = config.executor_backend
+        if backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend: unknown {backend!r}; choose from {sorted(_EXECUTOR_BACKENDS)}")
+        module_name, class_name = _EXECUTOR_BACKENDS[backend].split(":")
+        return getattr(importlib.import_module(module_name), class_name)
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call `method` on every worker; results in rank order."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on all workers and return the driver rank's output."""
+
+    def determine_num_kv_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone."""
+
+    def shutdown(self) -> None:
+        pass

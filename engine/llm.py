@@ -1,0 +1,138 @@
+"""`LLM`: the offline, batch API (vLLM-compatible surface)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput, SchedulerStats
+from engine.processor import PromptType
+from engine.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching over a paged KV cache.
+
+    Keyword arguments are `EngineConfig` fields (block_size, max_num_seqs, max_num_batched_tokens,
+    max_model_len, enable_prefix_caching, enable_chunked_prefill, kv_cache_memory, seed,
+    scheduling_policy, tensor_parallel_size, pipeline_parallel_size, ...).
+    """
+
+    def __init__(self, model: str, *, dtype: str = "auto", **kwargs: Any) -> None:
+        config = EngineConfig(model=model, dtype=dtype, **kwargs)
+        self.llm_engine = LLMEngine(config)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts; give one or one per prompt"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, params, priority=priority[i] if priority is not None else 0)
+                request_ids.append(request_id)
+        except BaseException:
+            engine.abort_request(request_ids)  # a bad prompt must not leave its batch-mates running
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Render conversations with the tokenizer's chat template and generate a reply to each."""
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        prompts = [
+            {"prompt_token_ids": self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(
+        self,
+        conversation: ChatMessages,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat_template: the tokenizer has no chat template; pass chat_template=")
+        ids = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(finished) < len(request_ids):
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([rid for rid in request_ids if rid not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    def get_stats(self) -> SchedulerStats:
+        return self.llm_engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()

@@ -1,0 +1,97 @@
+"""The synchronous engine: processor -> engine core -> output processor. `LLM` and `AsyncLLM` drive it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from engine.outputs import RequestOutput, SchedulerStats
+from engine.processor import Processor, PromptType, load_tokenizer
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config if config.hf_config is not None else config.resolve()
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        self.engine_core = EngineCore(self.config)
+        self.processor = Processor(self.config, self.tokenizer, self.engine_core.kv_cache_capacity_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # parent request id -> its child engine request ids (n > 1)
+        self._children: dict[str, list[str]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+    ) -> None:
+        """Validate and queue a request; raises ValueError (naming the field) on bad input."""
+        if request_id in self._children or request_id in self.output_processor.states:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        text, request = self.processor.process(request_id, prompt, params, priority, arrival_time)
+        if params.n == 1:
+            self.output_processor.add_request(
+                request_id, text, request.prompt_token_ids, params, arrival_time, output_kind
+            )
+            self.engine_core.add_request(request)
+            return
+        parent = ParentRequest(request_id, params.n)
+        children: list[str] = []
+        for index in range(params.n):
+            child_params = params.model_copy(update={"n": 1})
+            if params.seed is not None:
+                child_params.seed = params.seed + index  # distinct but reproducible samples
+            child_id = f"{request_id}#{index}"
+            _, child = self.processor.process(child_id, {"prompt_token_ids": request.prompt_token_ids}, child_params,
+                                              priority, arrival_time)
+            self.output_processor.add_request(
+                child_id, text, request.prompt_token_ids, child_params, arrival_time, output_kind, parent, index
+            )
+            self.engine_core.add_request(child)
+            children.append(child_id)
+        self._children[request_id] = children
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        engine_ids: list[str] = []
+        for rid in ids:
+            engine_ids.extend(self._children.pop(rid, [rid]))
+        for rid in engine_ids:
+            self.output_processor.abort_request(rid)
+        self.engine_core.abort_requests(engine_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.engine_core.scheduler.get_num_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.engine_core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for out in outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,252 @@
+"""Turns a SchedulerOutput into one forward pass over a flat, unpadded batch of tokens.
+
+The runner keeps a small state per request (its tokens, block table, sampling state)
+that is updated from the scheduler's diffs, so that a worker in another process
+sees exactly what an in-process one does. Sequences are ordered decodes first
+(query length 1), then prefill chunks; the attention layers rely on that order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import EngineConfig
+from engine.model_loader import load_model, resolve_dtype
+from engine.sampler import Sampler, SamplingState, compute_prompt_logprobs, make_generator
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from parallel.communication import pp_recv_tensors, pp_send_tensors
+from parallel.pipeline import IntermediateTensors
+from parallel.state import ParallelContext
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class RunnerRequestState:
+    req_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]  # prompt + outputs known so far
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingState
+    prompt_logprobs: int | None
+
+
+@dataclass
+class _Batch:
+    """The host-side plan of one step, in batch order."""
+
+    req_ids: list[str]
+    query_lens: list[int]
+    start_positions: list[int]  # num_computed_tokens before this step
+    # Indices (into the flat token batch) of the last token of sequences that sample.
+    sample_rows: list[int]
+    sample_req_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext, device: torch.device) -> None:
+        self.config = config
+        self.parallel = parallel
+        self.device = device
+        self.hf_config = config.hf_config
+        self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        self.block_size = config.block_size
+        self.is_first_stage = parallel.pp_rank == 0
+        self.is_last_stage = parallel.pp_rank == parallel.pp_size - 1
+        # Only one rank samples and reports results: TP rank 0 of the last pipeline stage.
+        self.is_driver = self.is_last_stage and parallel.tp_rank == 0
+        self.requests: dict[str, RunnerRequestState] = {}
+        self.sampler = Sampler(seed=config.seed)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: KVCaches = []
+        self.kv_hooks = None  # worker half of a KV connector (kv_transfer.base.KVConnectorWorker)
+
+    # ------------------------------------------------------------------ setup
+
+    def load_model(self) -> None:
+        torch.manual_seed(self.config.seed)
+        self.model = load_model(self.config.model, self.hf_config, self.dtype, self.parallel, device=self.device)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        num_layers, num_kv_heads, head_size = self.model.kv_cache_shape_per_layer()
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * num_layers * self.block_size * num_kv_heads * head_size * element
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        num_layers, num_kv_heads, head_size = self.model.kv_cache_shape_per_layer()
+        shape = (num_blocks, self.block_size, num_kv_heads, head_size)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(num_layers)
+        ]
+        if self.kv_hooks is not None:
+            self.kv_hooks.register_kv_caches(self.kv_caches)
+
+    # ------------------------------------------------------------------ per-step state
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            output_ids = list(new.output_token_ids)
+            self.requests[new.req_id] = RunnerRequestState(
+                req_id=new.req_id,
+                num_prompt_tokens=len(new.prompt_token_ids),
+                token_ids=list(new.prompt_token_ids) + output_ids,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=SamplingState(
+                    params=params,
+                    prompt_token_ids=list(new.prompt_token_ids),
+                    output_token_ids=output_ids,
+                    generator=make_generator(params.seed) if params.seed is not None else None,
+                    bad_words_token_ids=new.bad_words_token_ids,
+                    eos_token_ids=set(new.eos_token_ids),
+                ),
+                prompt_logprobs=params.prompt_logprobs,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.new_token_ids:
+                state.token_ids.extend(cached.new_token_ids)
+                state.sampling.output_token_ids.extend(cached.new_token_ids)
+            if cached.resumed_from_preemption:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _plan_batch(self, so: SchedulerOutput) -> _Batch:
+        decodes = [rid for rid, n in so.num_scheduled_tokens.items() if n == 1]
+        prefills = [rid for rid, n in so.num_scheduled_tokens.items() if n != 1]
+        req_ids = decodes + prefills
+        query_lens = [so.num_scheduled_tokens[rid] for rid in req_ids]
+        start_positions = [self.requests[rid].num_computed_tokens for rid in req_ids]
+        sample_rows: list[int] = []
+        sample_req_ids: list[str] = []
+        offset = 0
+        for rid, q, start in zip(req_ids, query_lens, start_positions):
+            offset += q
+            if start + q == len(self.requests[rid].token_ids):
+                sample_rows.append(offset - 1)
+                sample_req_ids.append(rid)
+        return _Batch(req_ids, query_lens, start_positions, sample_rows, sample_req_ids)
+
+    def _prepare_inputs(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        num_seqs = len(batch.req_ids)
+        q = np.asarray(batch.query_lens, dtype=np.int64)
+        starts = np.asarray(batch.start_positions, dtype=np.int64)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        num_tokens = int(cu[-1])
+        seq_index = np.repeat(np.arange(num_seqs), q)
+        positions = np.arange(num_tokens, dtype=np.int64) - cu[:-1][seq_index] + starts[seq_index]
+
+        input_ids: list[int] = []
+        states = [self.requests[rid] for rid in batch.req_ids]
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, (state, start, ql) in enumerate(zip(states, batch.start_positions, batch.query_lens)):
+            input_ids.extend(state.token_ids[start : start + ql])
+            block_table[i, : len(state.block_ids)] = state.block_ids
+        slot_mapping = (
+            block_table[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
+        seq_lens = starts + q
+        num_decodes = sum(1 for ql in batch.query_lens if ql == 1)
+        # Decodes come first, so the number of decode sequences equals their token count.
+        while num_decodes and batch.query_lens[num_decodes - 1] != 1:
+            num_decodes -= 1
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_table).to(dev),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            max_query_len=int(q.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        return ids, torch.from_numpy(positions).to(dev), metadata
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. Returns the sampled tokens on the driver rank, None on the others."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(sampled_token_ids={}) if self.is_driver else None
+        batch = self._plan_batch(so)
+        input_ids, positions, metadata = self._prepare_inputs(batch)
+
+        intermediate = None
+        if not self.is_first_stage:
+            intermediate = IntermediateTensors(**pp_recv_tensors(self.parallel))
+        hidden = self.model.forward(
+            input_ids if self.is_first_stage else None,
+            positions,
+            self.kv_caches,
+            metadata,
+            intermediate=intermediate,
+            kv_hooks=self.kv_hooks,
+        )
+        for rid, ql in zip(batch.req_ids, batch.query_lens):
+            self.requests[rid].num_computed_tokens += ql
+        if not self.is_last_stage:
+            pp_send_tensors(self.parallel, {"hidden_states": hidden.hidden_states, "residual": hidden.residual})
+            return None
+
+        prompt_logprobs = self._compute_prompt_logprobs(batch, hidden)
+        output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            if self.is_driver:
+                states = [self.requests[rid].sampling for rid in batch.sample_req_ids]
+                sampled = self.sampler.sample(logits, states)
+                for rid, token, logprobs in zip(batch.sample_req_ids, sampled.token_ids, sampled.logprobs):
+                    output.sampled_token_ids[rid] = token
+                    if logprobs is not None:
+                        output.logprobs[rid] = logprobs
+        return output if self.is_driver else None
+
+    def _compute_prompt_logprobs(
+        self, batch: _Batch, hidden: torch.Tensor
+    ) -> dict[str, list[list[tuple[int, float, int]] | None]]:
+        """Logprobs of the prompt tokens covered by this step's chunk (token 0 gets None)."""
+        result: dict[str, list[list[tuple[int, float, int]] | None]] = {}
+        offset = 0
+        for rid, ql, start in zip(batch.req_ids, batch.query_lens, batch.start_positions):
+            state = self.requests[rid]
+            row0 = offset
+            offset += ql
+            if state.prompt_logprobs is None or start >= state.num_prompt_tokens:
+                continue
+            # Position p predicts prompt token p + 1.
+            end = min(start + ql, state.num_prompt_tokens - 1)
+            entries: list[list[tuple[int, float, int]] | None] = [None] if start == 0 else []
+            if end > start:
+                logits = self.model.compute_logits(hidden[row0 : row0 + (end - start)])
+                targets = torch.tensor(state.token_ids[start + 1 : end + 1], dtype=torch.long, device=logits.device)
+                if self.is_driver:
+                    entries.extend(compute_prompt_logprobs(logits, targets, state.prompt_logprobs))
+            result[rid] = entries
+        return result

@@ -1,0 +1,205 @@
+"""Turns the engine core's per-step token outputs into user-facing `RequestOutput`s.
+
+Owns incremental detokenization, stop strings, logprob bookkeeping, and the
+fan-in of `n > 1` child requests into one output with n completions.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output, when the request is done (LLM.generate)
+
+
+def _logprob_entry(tokenizer, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+    return {tid: Logprob(lp, rank, tokenizer.decode([tid])) for tid, lp, rank in entries}
+
+
+@dataclass
+class ParentRequest:
+    """An `n > 1` request: n child engine requests that report as one."""
+
+    request_id: str
+    n: int
+    children: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_finished: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str  # the engine request id (a child id when n > 1)
+    index: int
+    parent: ParentRequest | None
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: OutputKind
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_tokens_returned: int = 0
+    num_logprobs_returned: int = 0
+    prompt_logprobs_returned: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+    ) -> None:
+        want_logprobs = params.logprobs is not None
+        self.states[request_id] = RequestState(
+            request_id=request_id,
+            index=index,
+            parent=parent,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            output_kind=output_kind,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            metrics=RequestMetrics(arrival_time=arrival_time),
+            logprobs=[] if want_logprobs else None,
+            cumulative_logprob=0.0 if want_logprobs else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs to hand out and the engine request ids stopped by a stop string
+        (the engine core must finish those: it does not see text)."""
+        request_outputs: list[RequestOutput] = []
+        stopped_by_string: list[str] = []
+        now = time.time()
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue
+            self._record_metrics(state, out, now)
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(
+                    None if e is None else _logprob_entry(self.tokenizer, e) for e in out.new_prompt_logprobs
+                )
+            if out.new_token_ids:
+                state.token_ids.extend(out.new_token_ids)
+                if out.new_logprobs is not None and state.logprobs is not None:
+                    for entries in out.new_logprobs:
+                        state.logprobs.append(_logprob_entry(self.tokenizer, entries))
+                        state.cumulative_logprob += entries[0][1]
+                if state.params.detokenize:
+                    stop_str = state.detokenizer.update(out.new_token_ids)
+                    if stop_str is not None and finish_reason is None:
+                        finish_reason, stop_reason = "stop", stop_str
+                        # The engine emits one token per step, so that token completed the stop string.
+                        stopped_by_string.append(state.request_id)
+                    elif stop_str is not None:
+                        stop_reason = stop_str
+            if not out.new_token_ids and finish_reason is None:
+                continue  # a prefill chunk that only carried prompt logprobs
+            request_output = self._make_output(state, finish_reason, stop_reason)
+            if finish_reason is not None:
+                state.metrics.finished_time = now
+                del self.states[state.request_id]
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return request_outputs, stopped_by_string
+
+    def _record_metrics(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
+        m = state.metrics
+        if out.first_scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = out.first_scheduled_time
+        if out.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+        m.num_preemptions = out.num_preemptions
+        m.num_cached_tokens = out.num_cached_tokens
+
+    def _completion(self, state: RequestState, finish_reason: str | None, stop_reason, delta: bool) -> CompletionOutput:
+        finished = finish_reason is not None
+        text = state.detokenizer.get_next_output_text(finished, delta) if state.params.detokenize else ""
+        if delta:
+            token_ids = state.token_ids[state.num_tokens_returned :]
+            logprobs = None if state.logprobs is None else state.logprobs[state.num_logprobs_returned :]
+        else:
+            token_ids = list(state.token_ids)
+            logprobs = None if state.logprobs is None else list(state.logprobs)
+        state.num_tokens_returned = len(state.token_ids)
+        state.num_logprobs_returned = 0 if state.logprobs is None else len(state.logprobs)
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+
+    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason) -> RequestOutput | None:
+        finished = finish_reason is not None
+        kind = state.output_kind
+        if kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = self._completion(state, finish_reason, stop_reason, delta=kind == OutputKind.DELTA)
+        parent = state.parent
+        if parent is None:
+            completions = [completion]
+            request_id = state.request_id
+            all_finished = finished
+        else:
+            request_id = parent.request_id
+            parent.children[state.index] = completion
+            parent.num_finished += int(finished)
+            all_finished = parent.num_finished == parent.n
+            if kind == OutputKind.FINAL_ONLY:
+                if not all_finished:
+                    return None
+                completions = [parent.children[i] for i in sorted(parent.children)]
+            elif kind == OutputKind.DELTA:
+                completions = [completion]
+            else:
+                completions = [parent.children[i] for i in sorted(parent.children)]
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and (kind != OutputKind.DELTA or not state.prompt_logprobs_returned):
+            prompt_logprobs = state.prompt_logprobs
+            state.prompt_logprobs_returned = True
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=all_finished,
+            metrics=state.metrics,
+            num_cached_tokens=state.metrics.num_cached_tokens,
+        )

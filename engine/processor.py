@@ -1,0 +1,127 @@
+"""Input processing: validate and tokenize a prompt, resolve its limits, and build a `Request`.
+
+Everything a request can get wrong is caught here, before it reaches the scheduler,
+with a ValueError that names the field.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Union
+
+from engine.config import EngineConfig
+from engine.request import Request
+from engine.sampling_params import SamplingParams, bad_words_token_ids
+
+# A prompt: text, or a dict with "prompt_token_ids" (or "prompt").
+PromptType = Union[str, Mapping[str, Any]]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids_of(model_path: str, hf_config, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json (int or list), the model config, and the tokenizer."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path)
+        candidates = [gen.eos_token_id]
+    except (OSError, ValueError):
+        candidates = []
+    candidates += [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    for value in candidates:
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer, kv_cache_capacity_tokens: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
+        self.vocab_size = config.hf_config.vocab_size
+        self.eos_token_ids = eos_token_ids_of(config.model, config.hf_config, tokenizer)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids: must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
+        raise ValueError("prompt: expected a string or a dict with 'prompt_token_ids' or 'prompt'")
+
+    def validate_prompt_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: the prompt is empty")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt: the prompt has {len(ids)} tokens, but max_model_len is {max_len} "
+                "(the prompt and at least one generated token must fit)"
+            )
+        if len(ids) + 1 > self.kv_cache_capacity_tokens:
+            raise ValueError(
+                f"prompt: the prompt has {len(ids)} tokens, more than the whole KV cache holds "
+                f"({self.kv_cache_capacity_tokens} tokens); raise kv_cache_memory"
+            )
+
+    def validate_params(self, params: SamplingParams) -> None:
+        limit = self.config.max_logprobs
+        if params.logprobs is not None and params.logprobs > limit:
+            raise ValueError(f"logprobs: at most {limit} are allowed, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > limit:
+            raise ValueError(f"prompt_logprobs: at most {limit} are allowed, got {params.prompt_logprobs}")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t < 0 or t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        if params.stop_token_ids:
+            bad = [t for t in params.stop_token_ids if t < 0 or t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, Request]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: expected a SamplingParams")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError("priority: set scheduling_policy='priority' to use request priorities")
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_prompt_ids(ids)
+        self.validate_params(params)
+        room = self.config.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            bad_words_token_ids=bad_words,
+        )
+        return text, request

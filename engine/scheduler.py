@@ -1,0 +1,392 @@
+"""Continuous batching with chunked prefill, FCFS/priority, and preemption by recompute.
+
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`). Running requests are scheduled first (decodes and the rest of
+chunked prefills), then waiting requests fill what is left. There are no phases:
+a request simply has `num_tokens - num_computed_tokens` tokens to compute, and the
+scheduler hands out as many as fit. When the KV cache runs out of blocks, the
+lowest-priority running request (FCFS: the newest) is preempted: its blocks are
+freed and it goes back to the waiting queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import EngineCoreOutput, SchedulerStats
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kv_transfer.base import KVConnectorScheduler
+
+logger = logging.getLogger(__name__)
+
+
+class WaitingQueue:
+    """FCFS: arrival order, preempted requests go back to the front. Priority: lowest
+    (priority, arrival_time) first, as in vLLM."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        else:
+            self._fifo.append(request)
+
+    def add_front(self, request: Request) -> None:
+        """Re-queue a preempted request so it is the next to resume."""
+        if self.policy == "priority":
+            self.add(request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, requests: set[Request]) -> None:
+        if self.policy == "priority":
+            self._heap = [item for item in self._heap if item[3] not in requests]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo = deque(r for r in self._fifo if r not in requests)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter([item[3] for item in self._heap] if self.policy == "priority" else list(self._fifo))
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        kv_connector: KVConnectorScheduler | None = None,
+    ) -> None:
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None, "resolve() the config"
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.scheduling_policy
+        self.kv_cache_manager = kv_cache_manager
+        self.kv_connector = kv_connector
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        # Requests finished since the last schedule(): the workers drop their state.
+        self._finished_req_ids: set[str] = set()
+        # How many of each request's tokens the workers have been sent.
+        self._num_tokens_sent: dict[str, int] = {}
+        # Requests in a batch whose output has not come back yet (pipeline parallelism).
+        self._in_flight: set[str] = set()
+        # Per request: block count and preemption count as last sent to the workers.
+        self._block_counts: dict[str, int] = {}
+        self._preemptions_sent: dict[str, int] = {}
+        # Requests finished because they can never fit in the cache; reported with the next outputs.
+        self._unfittable: list[Request] = []
+
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or stop, e.g. on a stop string) requests wherever they are; frees their blocks."""
+        assert status.is_finished
+        finished = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        if not finished:
+            return []
+        finished_set = set(finished)
+        self.running = [r for r in self.running if r not in finished_set]
+        self.waiting.remove(finished_set)
+        for request in finished:
+            request.status = status
+            self._free_request(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        keep_blocks = False
+        if self.kv_connector is not None:
+            keep_blocks = self.kv_connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)
+            )
+        if not keep_blocks:
+            self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._num_tokens_sent.pop(request.request_id, None)
+        self._block_counts.pop(request.request_id, None)
+        self._preemptions_sent.pop(request.request_id, None)
+        self._finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        scheduled: list[Request] = []
+        preempted_this_step = False
+        now = time.time()
+
+        # 1. Running requests: decodes and the remaining chunks of partial prefills.
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING or request.request_id in self._in_flight:
+                continue  # preempted earlier in this loop, or its previous batch is still in flight
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self._choose_victim()
+                if victim is None:  # everything else is in flight (pipeline): retry next step
+                    break
+                if victim.request_id in num_scheduled:  # only under priority: undo its share of this step
+                    budget += num_scheduled.pop(victim.request_id)
+                    scheduled.remove(victim)
+                self._preempt(victim)
+                preempted_this_step = True
+                if victim is request:
+                    if not self.running and not scheduled and not self._in_flight:
+                        # Nothing else holds blocks, so it can never fit: finish it instead of looping.
+                        self._finish_unfittable(request)
+                    break
+            else:
+                num_scheduled[request.request_id] = num_new
+                scheduled.append(request)
+                budget -= num_new
+
+        # 2. Waiting requests, unless we just had to preempt (the cache is full).
+        while (
+            not preempted_this_step
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_external = 0
+            if self.kv_connector is not None and request.num_preemptions == 0:
+                num_external = self.kv_connector.get_num_new_matched_tokens(request, num_cached)
+            num_new = request.num_tokens - num_cached - num_external
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new + num_external, num_cached, computed_blocks
+            )
+            if blocks is None:
+                if not self.running and not scheduled and not self._in_flight:
+                    # The whole cache is free and it still does not fit (it grew while others ran).
+                    self._finish_unfittable(request)
+                    continue
+                break
+            self.waiting.pop()
+            if self.kv_connector is not None and num_external:
+                self.kv_connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
+                )
+            request.num_computed_tokens = num_cached + num_external
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            request.num_external_computed_tokens = num_external
+            request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = now
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
+            budget -= num_new
+
+        return self._build_output(scheduled, num_scheduled)
+
+    def _build_output(self, scheduled: list[Request], num_scheduled: dict[str, int]) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        for request in scheduled:
+            rid = request.request_id
+            block_ids = self.kv_cache_manager.get_block_ids(rid)
+            sent = self._num_tokens_sent.get(rid)
+            if sent is None:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=rid,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=list(block_ids),
+                        num_computed_tokens=request.num_computed_tokens,
+                        eos_token_ids=request.eos_token_ids,
+                        bad_words_token_ids=request.bad_words_token_ids,
+                    )
+                )
+                self._block_counts[rid] = len(block_ids)
+            else:
+                resumed = request.num_preemptions > self._preemptions_sent.get(rid, 0)
+                known = 0 if resumed else self._block_counts[rid]
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=rid,
+                        new_token_ids=request.all_token_ids[sent:],
+                        new_block_ids=list(block_ids[known:]),
+                        num_computed_tokens=request.num_computed_tokens,
+                        resumed_from_preemption=resumed,
+                    )
+                )
+                self._block_counts[rid] = len(block_ids)
+            self._num_tokens_sent[rid] = request.num_tokens
+            self._preemptions_sent[rid] = request.num_preemptions
+            self._in_flight.add(rid)
+            request.num_computed_tokens += num_scheduled[rid]
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._finished_req_ids = set()
+        return output
+
+    def _choose_victim(self) -> Request | None:
+        """FCFS preempts the newest running request; priority the least important (then the newest).
+        Requests whose batch is still in flight cannot be preempted."""
+        candidates = [r for r in self.running if r.request_id not in self._in_flight]
+        if not candidates:
+            return None
+        if self.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        logger.warning(
+            "preempted request %s (recompute; %d preemptions so far): not enough KV cache blocks. "
+            "Raise kv_cache_memory or lower max_num_seqs to avoid this.",
+            request.request_id,
+            self.num_preemptions,
+        )
+        self.waiting.add_front(request)
+
+    def _finish_unfittable(self, request: Request) -> None:
+        logger.error(
+            "request %s needs more KV cache than the whole cache holds (%d tokens); finishing it with 'length'",
+            request.request_id,
+            request.num_tokens,
+        )
+        self.waiting.remove({request})
+        request.status = RequestStatus.FINISHED_LENGTH
+        self._unfittable.append(request)
+        self._free_request(request)
+
+    # ------------------------------------------------------------------ results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        self.num_steps += 1
+        for request in self._unfittable:
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="length"))
+        self._unfittable = []
+        for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            self._in_flight.discard(rid)
+            request = self.requests.get(rid)
+            if request is None:  # finished (aborted) while its batch was running
+                continue
+            prompt_left = max(0, request.num_prompt_tokens - (request.num_computed_tokens - num_tokens))
+            self.num_prompt_tokens += min(num_tokens, prompt_left)
+            new_token_ids: list[int] = []
+            token = runner_output.sampled_token_ids.get(rid)
+            if token is not None:
+                request.append_output_token(token)
+                new_token_ids.append(token)
+                self.num_generation_tokens += 1
+                self._check_stop(request)
+            prompt_logprobs = runner_output.prompt_logprobs.get(rid)
+            if not new_token_ids and prompt_logprobs is None:
+                continue
+            logprobs = runner_output.logprobs.get(rid)
+            output = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=new_token_ids,
+                new_logprobs=[logprobs] if logprobs is not None and new_token_ids else None,
+                new_prompt_logprobs=prompt_logprobs,
+                finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+                num_preemptions=request.num_preemptions,
+                first_scheduled_time=request.scheduled_time,
+            )
+            outputs.append(output)
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if params.stop_token_ids and last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    # ------------------------------------------------------------------ stats
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        totals = kv.total_prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=totals.queries,
+            prefix_cache_hits=totals.hits,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_steps=self.num_steps,
+        )

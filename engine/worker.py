@@ -1,0 +1,74 @@
+"""One rank of an engine: device, distributed groups, model, KV cache, and its model runner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from parallel.state import ParallelContext, init_distributed
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+        local_device_index: int = 0,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.local_device_index = local_device_index
+        self.parallel: ParallelContext | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        device_type = self.config.resolved_device
+        if device_type == "cuda":
+            torch.cuda.set_device(self.local_device_index)
+            self.device = torch.device("cuda", self.local_device_index)
+        else:
+            self.device = torch.device("cpu")
+        if self.config.world_size > 1:
+            if self.distributed_init_method is None:
+                raise ValueError("distributed_init_method: required when tensor/pipeline parallel size > 1")
+            self.parallel = init_distributed(
+                rank=self.rank,
+                world_size=self.config.world_size,
+                tp_size=self.config.tensor_parallel_size,
+                pp_size=self.config.pipeline_parallel_size,
+                init_method=self.distributed_init_method,
+            )
+        else:
+            self.parallel = ParallelContext.single()
+        self.model_runner = ModelRunner(self.config, self.parallel, self.device)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks that fit this rank's share of the KV budget (each rank holds its own layers/heads)."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        return max(0, self.config.kv_cache_memory_bytes // per_block)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def is_driver(self) -> bool:
+        return self.model_runner.is_driver
+
+    def shutdown(self) -> None:
+        if self.parallel is not None:
+            self.parallel.destroy()
