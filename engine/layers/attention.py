@@ -1,0 +1,112 @@
+"""Attention over the paged KV cache for one layer.
+
+Per forward pass the layer (1) writes the new tokens' K/V into the cache with
+``reshape_and_cache``, (2) runs the paged decode kernel on the leading
+``num_decode_tokens`` query rows (one per decode sequence) and (3) the varlen
+paged prefill kernel on the remaining rows (prefill chunks, possibly on top of a
+cached prefix). The layer owns no parameters; projections live in the model.
+
+KV connector seam (disaggregated prefill/decode): when ``kv_hooks`` is given,
+``wait_for_layer_load(layer_idx)`` is called before the layer touches its cache
+(so KV loaded from a remote prefill instance is in place) and
+``save_layer(layer_idx, key_cache, value_cache, attn_metadata)`` after the new
+K/V has been written and attention computed (so a connector can ship this
+layer's blocks while later layers run). ``layer_idx`` is the global layer index.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+import kernels
+from engine.attention_metadata import AttentionMetadata
+
+
+class KVLayerHooks(Protocol):
+    """Worker-side per-layer calls of a KV connector (see module docstring)."""
+
+    def wait_for_layer_load(self, layer_idx: int) -> None: ...
+
+    def save_layer(
+        self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> None: ...
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        layer_idx: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        kv_hooks: KVLayerHooks | None = None,
+    ) -> torch.Tensor:
+        """q [T, heads*head_size], k/v [T, kv_heads*head_size] -> [T, heads*head_size]."""
+        md = attn_metadata
+        num_tokens = q.shape[0]
+        key_cache, value_cache = kv_cache
+        if kv_hooks is not None:
+            kv_hooks.wait_for_layer_load(self.layer_idx)
+        query = q.view(num_tokens, self.num_heads, self.head_size)
+        kernels.reshape_and_cache(
+            k.view(num_tokens, self.num_kv_heads, self.head_size),
+            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            key_cache,
+            value_cache,
+            md.slot_mapping,
+        )
+        out = torch.empty_like(query)
+        nd_seqs, nd = md.num_decodes, md.num_decode_tokens
+        if nd > 0:
+            out[:nd] = kernels.paged_decode_attention(
+                query[:nd],
+                key_cache,
+                value_cache,
+                md.block_tables[:nd_seqs],
+                md.seq_lens[:nd_seqs],
+                self.scale,
+                sliding_window=self.sliding_window,
+                seq_lens_cpu=md.seq_lens_cpu[:nd_seqs],
+            )
+        end = md.query_start_loc_cpu[-1]
+        if end < num_tokens:  # padding rows (no sequence): defined output, never read
+            out[end:] = 0
+        if end > nd:
+            out[nd:end] = kernels.paged_prefill_attention(
+                query[nd:end],
+                key_cache,
+                value_cache,
+                md.block_tables[nd_seqs:],
+                md.query_start_loc[nd_seqs:] - nd,
+                md.seq_lens[nd_seqs:],
+                self.scale,
+                sliding_window=self.sliding_window,
+                query_start_loc_cpu=[x - nd for x in md.query_start_loc_cpu[nd_seqs:]],
+                seq_lens_cpu=md.seq_lens_cpu[nd_seqs:],
+            )
+        if kv_hooks is not None:
+            kv_hooks.save_layer(self.layer_idx, key_cache, value_cache, md)
+        return out.view(num_tokens, self.num_heads * self.head_size)

@@ -1,0 +1,34 @@
+"""The gated (SwiGLU) feed-forward block of Llama-family decoders."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from parallel.layers import MergedColumnParallelLinear, RowParallelLinear
+from parallel.state import ParallelContext
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate/up are column-parallel and fused, down is row-parallel."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {hidden_act!r}")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], parallel, dtype, bias=bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, dtype, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

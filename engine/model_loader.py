@@ -1,0 +1,89 @@
+"""Build a model and fill it from a safetensors checkpoint, reading only this rank's shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.models.registry import get_model_class
+from parallel.state import ParallelContext
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
+    """"auto" -> the checkpoint's dtype from the config (float32 if absent); else a named dtype."""
+    if dtype == "auto":
+        cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(cfg_dtype, torch.dtype):
+            return cfg_dtype
+        if isinstance(cfg_dtype, str):
+            name = cfg_dtype.removeprefix("torch.")
+            if name in _DTYPES:
+                return _DTYPES[name]
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def checkpoint_files(model_path: str) -> list[Path]:
+    """The safetensors files of a checkpoint directory (sharded via the index, or all *.safetensors)."""
+    root = Path(model_path)
+    if not root.is_dir():
+        raise ValueError(f"model_path {model_path!r} is not a directory")
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        files = [root / f for f in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.exists()]
+        if absent:
+            raise ValueError(f"checkpoint shards listed in {index} are missing: {absent}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in model_path {model_path!r}")
+    return files
+
+
+def load_model(
+    model_path: str,
+    hf_config: Any,
+    dtype: torch.dtype,
+    parallel: ParallelContext,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """Build the model for ``hf_config`` on ``device`` and load its weights (eval mode, no grad).
+
+    Weights of other pipeline stages are never read; sharded layers read only this
+    rank's slice through safetensors' lazy ``get_slice``. Raises ValueError for
+    weights the model does not know and for parameters the checkpoint lacks.
+    """
+    model_cls = get_model_class(hf_config)
+    files = checkpoint_files(model_path)
+    with torch.device(device), torch.no_grad():
+        model = model_cls(hf_config, dtype=dtype, parallel=parallel)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = [n for n in f.keys() if model.weight_on_stage(n)]
+                loaded |= model.load_weights((n, f.get_slice(n)) for n in names)
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint at {model_path!r} lacks weights for: {missing}")
+    model.eval()
+    model.requires_grad_(False)
+    return model
