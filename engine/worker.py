@@ -9,7 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from parallel.state import ParallelContext, init_distributed
+from parallel.state import ParallelContext, destroy_distributed, init_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -70,5 +70,5 @@ class Worker:
         return self.model_runner.is_driver
 
     def shutdown(self) -> None:
-        if self.parallel is not None:
-            self.parallel.destroy()
+        if self.parallel is not None and self.parallel.world_size > 1:
+            destroy_distributed()

@@ -1,0 +1,230 @@
+"""`AsyncLLM`: an asyncio front over one engine, for serving.
+
+The engine steps on a dedicated background thread (torch releases the GIL in its
+kernels, so the event loop stays responsive). Callers talk to it through a command
+queue; each request's outputs flow back into its own asyncio queue. All engine
+state is touched by the engine thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.output_processor import OutputKind
+from engine.outputs import RequestOutput, SchedulerStats
+from engine.processor import PromptType
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The bounded request queue is full; retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; in-flight requests fail with this."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class AsyncEngineStats:
+    scheduler: SchedulerStats
+    num_unfinished: int
+    last_step_time: float
+    engine_alive: bool
+    healthy: bool
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_pending_requests: int = 1024,
+        stall_timeout_s: float = 120.0,
+    ) -> None:
+        self.engine = LLMEngine(config)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.max_pending_requests = max_pending_requests
+        self.stall_timeout_s = stall_timeout_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopped = threading.Event()
+        self._dead_error: BaseException | None = None
+        self._last_progress = time.monotonic()
+        self._num_unfinished = 0
+        # Live generate() streams (the bound on pending requests); touched by callers only.
+        self._num_active = 0
+        self._stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "AsyncLLM":
+        async_keys = {"max_pending_requests", "stall_timeout_s"}
+        async_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in async_keys}
+        return cls(EngineConfig(model=model, **kwargs), **async_kwargs)
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        stream_delta: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (deltas by default). Bad input raises ValueError before the
+        first output; the request is aborted if the caller stops iterating (client disconnect)."""
+        self._raise_if_dead()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if self._num_active >= self.max_pending_requests:
+            raise EngineOverloadedError(
+                f"the engine has {self._num_active} unfinished requests (limit {self.max_pending_requests})"
+            )
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        kind = OutputKind.DELTA if stream_delta else OutputKind.CUMULATIVE
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("add", (request_id, prompt, sampling_params, priority, kind, stream), added))
+        self._num_active += 1
+        finished = False
+        try:
+            await asyncio.wrap_future(added)  # raises the processor's ValueError, if any
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._num_active -= 1
+            if not finished:
+                self._commands.put(("abort", request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+
+    def get_stats(self) -> AsyncEngineStats:
+        return AsyncEngineStats(
+            scheduler=self._stats,
+            num_unfinished=self._num_unfinished,
+            last_step_time=self._last_progress,
+            engine_alive=self._thread.is_alive() and self._dead_error is None,
+            healthy=self.is_healthy(),
+        )
+
+    def is_healthy(self) -> bool:
+        """Unhealthy when the loop died, or when work is waiting and no step has finished for too long."""
+        if self._dead_error is not None or not self._thread.is_alive():
+            return False
+        stalled = self._num_unfinished > 0 and time.monotonic() - self._last_progress > self.stall_timeout_s
+        return not stalled
+
+    async def check_health(self) -> None:
+        self._raise_if_dead()
+        if not self.is_healthy():
+            raise EngineDeadError(f"the engine made no progress for {self.stall_timeout_s:.0f}s with work waiting")
+
+    def shutdown(self) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._commands.put(("stop", None, None))
+            self._thread.join(timeout=30)
+            self.engine.shutdown()
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead_error!r}")
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+
+    def _handle_command(self, command: tuple) -> bool:
+        kind, payload, future = command
+        if kind == "stop":
+            return False
+        if kind == "add":
+            request_id, prompt, params, priority, output_kind, stream = payload
+            try:
+                self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=output_kind)
+            except BaseException as exc:  # bad input: only this request fails
+                future.set_exception(exc)
+            else:
+                self._streams[request_id] = stream
+                future.set_result(None)
+        elif kind == "abort":
+            self._streams.pop(payload, None)
+            self.engine.abort_request(payload)
+        return True
+
+    def _run(self) -> None:
+        try:
+            running = True
+            while running:
+                idle = not self.engine.has_unfinished_requests()
+                try:
+                    command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+                while command is not None and running:
+                    running = self._handle_command(command)
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        command = None
+                if not running:
+                    break
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output.request_id, output)
+                self._last_progress = time.monotonic()
+                self._num_unfinished = self.engine.get_num_unfinished_requests()
+                self._stats = self.engine.get_stats()
+        except BaseException as exc:  # the engine broke: fail every in-flight request clearly
+            logger.exception("engine loop died")
+            self._dead_error = exc
+            error = EngineDeadError(f"the engine failed: {exc!r}")
+            for request_id in list(self._streams):
+                self._deliver(request_id, error)
+            self._fail_pending_adds(error)
+
+    def _fail_pending_adds(self, error: BaseException) -> None:
+        while True:
+            try:
+                kind, _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add" and future is not None and not future.done():
+                future.set_exception(error)

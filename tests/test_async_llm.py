@@ -1,0 +1,102 @@
+"""AsyncLLM: streamed deltas add up to the offline result, aborts free blocks, bad input fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.async_llm import AsyncLLM, EngineOverloadedError
+from engine.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_llama):
+    engine = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", block_size=4, kv_cache_memory="8MiB"),
+                      max_pending_requests=64)
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine: AsyncLLM, prompt, params, **kw):
+    text, tokens, finals = "", [], []
+    async for out in engine.generate(prompt, params, **kw):
+        text += out.outputs[0].text
+        tokens += out.outputs[0].token_ids
+        if out.outputs[0].finish_reason is not None:
+            finals.append(out.outputs[0].finish_reason)
+    return text, tokens, finals
+
+
+def test_streamed_deltas_equal_offline_output(async_llm, tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    prompts = ["def fibonacci(n):", "The quick brown fox", "import os"]
+
+    async def run():
+        return await asyncio.gather(*[_collect(async_llm, p, params) for p in prompts])
+
+    results = asyncio.run(run())
+    offline = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="8MiB")
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    for (text, tokens, finals), exp in zip(results, expected):
+        assert tokens == exp.outputs[0].token_ids
+        assert text == exp.outputs[0].text
+        assert finals == ["length"]  # exactly one output carries the finish reason
+
+
+def test_abort_on_disconnect_frees_blocks(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        count = 0
+        async for _ in async_llm.generate("hello", params, request_id="to-abort"):
+            count += 1
+            if count == 3:
+                break  # the client goes away
+        for _ in range(100):
+            stats = async_llm.get_stats()
+            if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+        return async_llm.get_stats()
+
+    stats = asyncio.run(run())
+    assert stats.num_unfinished == 0
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+
+
+def test_bad_request_fails_alone(async_llm):
+    good = SamplingParams(temperature=0, max_tokens=5, min_tokens=5)
+
+    async def run():
+        ok = asyncio.create_task(_collect(async_llm, "hello", good))
+        with pytest.raises(ValueError, match="logprobs"):
+            await _collect(async_llm, "hello", SamplingParams(logprobs=1000))
+        with pytest.raises(ValueError, match="prompt"):
+            await _collect(async_llm, {"prompt_token_ids": [5] * 5000}, good)
+        return await ok
+
+    _, tokens, finals = asyncio.run(run())
+    assert len(tokens) == 5 and finals == ["length"]
+    assert async_llm.is_healthy()
+
+
+def test_overload_is_rejected(tiny_llama):
+    engine = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory="8MiB"),
+                      max_pending_requests=2)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # runs to max_model_len
+
+    async def run():
+        streams = [engine.generate("a", params), engine.generate("b", params)]
+        firsts = [await s.__anext__() for s in streams]
+        with pytest.raises(EngineOverloadedError):
+            await engine.generate("c", params).__anext__()
+        for s in streams:
+            await s.aclose()
+        return firsts
+
+    try:
+        assert len(asyncio.run(run())) == 2
+    finally:
+        engine.shutdown()
