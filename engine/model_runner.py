@@ -200,7 +200,7 @@ class ModelRunner:
 
         intermediate = None
         if not self.is_first_stage:
-            intermediate = IntermediateTensors(**pp_recv_tensors(self.parallel))
+            intermediate = IntermediateTensors(**pp_recv_tensors(self.parallel, device=self.device))
         hidden = self.model.forward(
             input_ids if self.is_first_stage else None,
             positions,
@@ -212,7 +212,7 @@ class ModelRunner:
         for rid, ql in zip(batch.req_ids, batch.query_lens):
             self.requests[rid].num_computed_tokens += ql
         if not self.is_last_stage:
-            pp_send_tensors(self.parallel, {"hidden_states": hidden.hidden_states, "residual": hidden.residual})
+            pp_send_tensors(hidden.to_dict(), self.parallel)
             return None
 
         prompt_logprobs = self._compute_prompt_logprobs(batch, hidden)
