@@ -1,9 +1,8 @@
 """Paged attention over the block-table KV cache (torch twins).
 
-Decode gathers every sequence's blocks with one index_select into a padded
-[B, L, Hkv, D] tensor and runs one batched matmul-softmax-matmul with a length
-mask. GQA is handled by viewing the query heads as [B, Hkv, G, D] so the K/V
-are never repeated. Prefill loops over sequences (their query lengths differ)
+Decode gathers the blocks of a group of sequences with index_select into a
+reused buffer and runs one SDPA per group with a length mask. GQA is handled by
+viewing the query heads as [B, Hkv, G, D] so the K/V are never repeated. Prefill loops over sequences (their query lengths differ)
 and runs SDPA on each gathered context with an explicit causal-offset mask.
 """
 
@@ -35,6 +34,13 @@ def _key_mask(
     return mask
 
 
+# Gathered K+V bytes per decode group. Long contexts end up one sequence per group, so SDPA reads the
+# gathered copy back from cache rather than DRAM, and the buffer reused across groups avoids the page
+# faults of a fresh batch-sized allocation (a batch-wide gather measured 2-5x slower on CPU). Short
+# sequences are still batched into one SDPA call. See benchmarks/kernels.py.
+DECODE_GATHER_BUDGET_BYTES = 2 << 20
+
+
 def paged_decode_attention_torch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -44,29 +50,59 @@ def paged_decode_attention_torch(
     scale: float,
     sliding_window: int | None = None,
     seq_lens_cpu: list[int] | None = None,
+    gather_budget_bytes: int = DECODE_GATHER_BUDGET_BYTES,
 ) -> torch.Tensor:
+    """Decode attention in groups of consecutive sequences.
+
+    Each group's blocks are gathered with index_select into one reused buffer, viewed as
+    [g, Hkv, L, D] (a strided view, no transpose copy) and fed to one SDPA call with the
+    query heads grouped as [g, Hkv, G, D]; a length/window mask is added only when needed.
+    """
     num_seqs, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[2]
+    _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
     if num_seqs == 0:
-        return query.new_empty(query.shape)
-    max_len = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max())
-    lo = 0
-    if sliding_window is not None and seq_lens_cpu is not None:
-        # Blocks entirely before every sequence's window are never read.
-        lo = max(0, min(seq_lens_cpu) - sliding_window) // key_cache.shape[1] * key_cache.shape[1]
-    table = block_tables[:, lo // key_cache.shape[1]:]
-    k = _gather_context(key_cache, table, max_len - lo)  # [B, L, Hkv, D]
-    v = _gather_context(value_cache, table, max_len - lo)
+        return out
+    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     q = query.view(num_seqs, num_kv_heads, group, head_size)
-    # scores [B, Hkv, G, L]
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale
-    key_pos = torch.arange(lo, max_len, device=query.device)
-    mask = _key_mask(key_pos[None, :], (seq_lens.to(torch.int64) - 1)[:, None], sliding_window)
-    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
-    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
+    out_grouped = out.view(num_seqs, num_kv_heads, group, head_size)
+    bytes_per_block = 2 * block_size * num_kv_heads * head_size * key_cache.element_size()
+    budget_blocks = max(1, gather_budget_bytes // bytes_per_block)
+
+    spans: list[tuple[int, int, int, int]] = []  # (first seq, end seq, first block, end block)
+    start = 0
+    while start < num_seqs:
+        end, first_blk, end_blk = start, None, 0
+        while end < num_seqs:
+            lo = 0 if sliding_window is None else max(0, lens[end] - sliding_window) // block_size
+            hi = -(-lens[end] // block_size)
+            new_first = lo if first_blk is None else min(first_blk, lo)
+            new_end = max(end_blk, hi)
+            if end > start and (end + 1 - start) * (new_end - new_first) > budget_blocks:
+                break
+            first_blk, end_blk, end = new_first, new_end, end + 1
+        spans.append((start, end, first_blk, end_blk))
+        start = end
+    max_group_blocks = max((e - s) * (hb - lb) for s, e, lb, hb in spans)
+    k_buf = key_cache.new_empty((max_group_blocks, block_size, num_kv_heads, head_size))
+    v_buf = value_cache.new_empty((max_group_blocks, block_size, num_kv_heads, head_size))
+
+    for s, e, lb, hb in spans:
+        n = e - s
+        idx = block_tables[s:e, lb:hb].reshape(-1).to(torch.int64)
+        k = torch.index_select(key_cache, 0, idx, out=k_buf[: idx.numel()])
+        v = torch.index_select(value_cache, 0, idx, out=v_buf[: idx.numel()])
+        span_len = (hb - lb) * block_size
+        k = k.view(n, span_len, num_kv_heads, head_size).transpose(1, 2)
+        v = v.view(n, span_len, num_kv_heads, head_size).transpose(1, 2)
+        mask = None
+        if sliding_window is not None or any(lens[i] != span_len + lb * block_size for i in range(s, e)):
+            key_pos = torch.arange(lb * block_size, hb * block_size, device=query.device)
+            query_pos = (seq_lens[s:e].to(torch.int64) - 1)[:, None]
+            mask = _key_mask(key_pos[None, :], query_pos, sliding_window)[:, None, None, :]
+        out_grouped[s:e] = F.scaled_dot_product_attention(q[s:e], k, v, attn_mask=mask, scale=scale)
+    return out
 
 
 def paged_prefill_attention_torch(

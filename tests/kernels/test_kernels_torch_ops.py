@@ -278,3 +278,19 @@ def test_cpu_path_never_imports_triton():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_decode_twin_grouping_is_invisible(sliding_window):
+    """Tiny gather budgets split the batch into many groups; the result must not change."""
+    from kernels.torch_impl.attention import paged_decode_attention_torch
+
+    seq_lens = [3, 64, 17, 100, 1, 48]
+    batch = make_paged_batch(seq_lens, 2, 64, 16, torch.float32, seed=4)
+    query = torch.randn(len(seq_lens), 4, 64)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), 0.125, sliding_window)
+    for budget in (1, 40_000, 200_000, 1 << 30):
+        out = paged_decode_attention_torch(query, batch.key_cache, batch.value_cache, batch.block_tables, lens,
+                                           0.125, sliding_window, seq_lens, gather_budget_bytes=budget)
+        torch.testing.assert_close(out.double(), ref, **tolerance(torch.float32))
