@@ -1,0 +1,1 @@
+"""Training scripts for pagedserve's bundled default model and its draft model."""
