@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor
@@ -11,6 +13,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,9 @@ class EngineCore:
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        # Pipeline parallelism: up to `max_concurrent_batches` batches in flight, oldest first.
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self._batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
 
     @property
     def kv_cache_capacity_tokens(self) -> int:
@@ -50,16 +56,34 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule one batch, run it, and turn the sampled tokens into per-request outputs."""
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
         # Run even an empty step: it carries the finished request ids the workers must forget.
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Keep the pipeline full: hand out a new batch while earlier ones are still running, and only
+        block on the oldest batch when the queue is full or nothing new can be scheduled."""
+        if len(self._batch_queue) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                self._batch_queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+                if len(self._batch_queue) < self.max_concurrent_batches:
+                    return []
+            elif not self._batch_queue:
+                return self.scheduler.update_from_output(scheduler_output, self.executor.execute_model(scheduler_output))
+        if not self._batch_queue:
+            return []
+        scheduler_output, future = self._batch_queue.popleft()
+        return self.scheduler.update_from_output(scheduler_output, future.result())
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

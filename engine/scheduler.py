@@ -274,7 +274,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
         )
-        self._finished_req_ids = set()
+        if scheduled:  # an empty output may never reach the workers (pipeline mode): resend the ids
+            self._finished_req_ids = set()
         return output
 
     def _choose_victim(self) -> Request | None:

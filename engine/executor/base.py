@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import Any
 
 from engine.config import EngineConfig
@@ -38,6 +39,16 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on all workers and return the driver rank's output."""
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        """Start one step and return at once. Executors with `max_concurrent_batches > 1` (pipeline
+        parallelism) override this so several batches can be in flight; by default it runs inline."""
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.execute_model(scheduler_output))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
 
     def determine_num_kv_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_kv_blocks"))
