@@ -129,7 +129,11 @@ def schedule() -> list[list[tuple[str, int, int]]]:
 
 
 def run_paged(model, parallel_forward=None) -> dict[str, dict[int, torch.Tensor]]:
-    """Run `schedule()` through the model; returns seq -> position -> logits."""
+    """Run `schedule()` through the model; returns seq -> position -> logits.
+
+    ``parallel_forward(input_ids, positions, kv_caches, md)`` replaces the plain
+    forward + compute_logits (e.g. a pipeline stage); it returns None on stages without logits.
+    """
     seqs = sequences(model.spec.vocab_size)
     batcher = PagedBatcher()
     batcher.add("A")
@@ -146,6 +150,8 @@ def run_paged(model, parallel_forward=None) -> dict[str, dict[int, torch.Tensor]
                 logits = model.compute_logits(hidden)
             else:
                 logits = parallel_forward(input_ids, positions, kv_caches, md)
+        if logits is None:  # a pipeline stage other than the last: nothing to record
+            continue
         row = 0
         for s, a, b in step:
             for p in range(a, b):
@@ -296,3 +302,41 @@ def run_paged_bf16(model) -> torch.Tensor:
     with torch.no_grad():
         hidden = model(input_ids, positions, make_kv_caches(model, torch.bfloat16), md)
     return model.compute_logits(hidden)
+
+
+class CopyInHooks:
+    """A KV connector stand-in: at wait_for_layer_load it copies a 'remote' layer cache into ours."""
+
+    def __init__(self, remote: list[tuple[torch.Tensor, torch.Tensor]], local: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.remote, self.local = remote, local
+        self.calls: list[tuple[str, int]] = []
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        self.calls.append(("wait", layer_idx))
+        for dst, src in zip(self.local[layer_idx], self.remote[layer_idx]):
+            dst.copy_(src)
+
+    def save_layer(self, layer_idx: int, key_cache, value_cache, attn_metadata) -> None:
+        self.calls.append(("save", layer_idx))
+        assert key_cache is self.local[layer_idx][0] and value_cache is self.local[layer_idx][1]
+        assert isinstance(attn_metadata, AttentionMetadata)
+
+
+def test_kv_hooks_load_before_attention_and_save_after(tmp_path: Path) -> None:
+    """Prefix KV computed elsewhere and loaded layer by layer through kv_hooks gives HF's logits."""
+    hf_config, hf_model = build_checkpoint(transformers.LlamaConfig, tmp_path)
+    model = load_model(str(tmp_path), hf_config, torch.float32, ParallelContext.single())
+    tokens = sequences(hf_config.vocab_size)["A"]
+    batcher = PagedBatcher()
+    batcher.add("A")
+    remote = make_kv_caches(model)
+    with torch.no_grad():
+        ids, pos, md = batcher.step([("A", tokens[:8])])
+        model(ids, pos, remote, md)  # the "prefill instance"
+        local = [(k.clone().normal_(), v.clone().normal_()) for k, v in remote]  # fresh cache, garbage
+        hooks = CopyInHooks(remote, local)
+        ids, pos, md = batcher.step([("A", tokens[8:13])])
+        logits = model.compute_logits(model(ids, pos, local, md, kv_hooks=hooks))
+    assert hooks.calls == [("wait", 0), ("save", 0), ("wait", 1), ("save", 1)]
+    ref = hf_logits(hf_model, hf_config.vocab_size)["A"][8:13]
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=1e-4)

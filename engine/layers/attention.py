@@ -11,7 +11,9 @@ KV connector seam (disaggregated prefill/decode): when ``kv_hooks`` is given,
 (so KV loaded from a remote prefill instance is in place) and
 ``save_layer(layer_idx, key_cache, value_cache, attn_metadata)`` after the new
 K/V has been written and attention computed (so a connector can ship this
-layer's blocks while later layers run). ``layer_idx`` is the global layer index.
+layer's blocks while later layers run). ``layer_idx`` is this pipeline stage's
+LOCAL layer index, i.e. the index into the ``kv_caches`` list the model runner
+registered with the connector (global index = model.start_layer + layer_idx).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Attention(nn.Module):
         head_size: int,
         num_kv_heads: int,
         scale: float,
-        layer_idx: int,
+        kv_cache_idx: int,
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
@@ -52,7 +54,7 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
-        self.layer_idx = layer_idx
+        self.kv_cache_idx = kv_cache_idx  # local layer index, reported to kv_hooks
         self.sliding_window = sliding_window
 
     def forward(
@@ -69,7 +71,7 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         key_cache, value_cache = kv_cache
         if kv_hooks is not None:
-            kv_hooks.wait_for_layer_load(self.layer_idx)
+            kv_hooks.wait_for_layer_load(self.kv_cache_idx)
         query = q.view(num_tokens, self.num_heads, self.head_size)
         kernels.reshape_and_cache(
             k.view(num_tokens, self.num_kv_heads, self.head_size),
@@ -108,5 +110,5 @@ class Attention(nn.Module):
                 seq_lens_cpu=md.seq_lens_cpu[nd_seqs:],
             )
         if kv_hooks is not None:
-            kv_hooks.save_layer(self.layer_idx, key_cache, value_cache, md)
+            kv_hooks.save_layer(self.kv_cache_idx, key_cache, value_cache, md)
         return out.view(num_tokens, self.num_heads * self.head_size)

@@ -96,7 +96,7 @@ class DecoderAttention(nn.Module):
             spec.head_size,
             self.qkv_proj.num_kv_heads_per_rank,
             scale=spec.head_size**-0.5,
-            layer_idx=layer_idx,
+            kv_cache_idx=layer_idx - layer_range(spec.num_layers, parallel.pp_rank, parallel.pp_size)[0],
             sliding_window=spec.sliding_windows[layer_idx],
         )
 
