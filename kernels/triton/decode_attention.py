@@ -1,0 +1,165 @@
+"""Triton paged decode attention with split-K.
+
+Grid (num_seqs, num_kv_heads, num_partitions): a program takes one KV head with all the
+query heads that share it (GQA: one [G, D] query tile, so each K/V block is loaded once
+per group) over one partition of the context, walking the block table one cache block
+at a time with an online softmax. With more than one partition, each writes its
+(max, sum, acc) and a reduction kernel merges them; with one, the result is stored
+directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._utils import interpreting
+
+DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition (a multiple of the block size)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale, sliding_window, group, head_size, num_partitions,
+    stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_os, stride_oh,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    PARTITION_BLOCKS: tl.constexpr, USE_PARTITIONS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_blk = part * PARTITION_BLOCKS
+    end_blk = tl.minimum(first_blk + PARTITION_BLOCKS, tl.cdiv(seq_len, BLOCK_SIZE))
+    window_start = 0
+    if HAS_WINDOW:
+        window_start = tl.maximum(seq_len - sliding_window, 0)
+        first_blk = tl.maximum(first_blk, window_start // BLOCK_SIZE)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * group + g
+    g_mask = g < group
+    d_mask = d < head_size
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)  # interpreter defect: tl.dot on bf16 returns garbage; GPU keeps bf16 dots
+
+    offs = tl.arange(0, BLOCK_SIZE)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for blk in range(first_blk, end_blk):
+        phys = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
+        kv_off = phys * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+        if INTERPRET:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale  # [G, BLOCK_SIZE]
+        pos = blk * BLOCK_SIZE + offs
+        valid = (pos < seq_len) & (pos >= window_start)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    if USE_PARTITIONS:
+        part_idx = (seq * tl.num_programs(1) * BLOCK_G + kv_head * BLOCK_G + g) * num_partitions + part
+        tl.store(part_m_ptr + part_idx, m, mask=g_mask)
+        tl.store(part_l_ptr + part_idx, l, mask=g_mask)
+        tl.store(part_acc_ptr + part_idx[:, None] * BLOCK_D + d[None, :], acc, mask=g_mask[:, None])
+    else:
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    group, head_size, num_partitions, stride_os, stride_oh,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # query head
+    kv_head = head // group
+    row = (seq * (tl.num_programs(1) // group) + kv_head) * BLOCK_G + head % group  # the split kernel's row
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    p_mask = p < num_partitions
+    m = tl.load(part_m_ptr + row * num_partitions + p, mask=p_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + row * num_partitions + p, mask=p_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    total = tl.sum(l * w, axis=0)
+    acc = tl.load(part_acc_ptr + (row * num_partitions + p)[:, None] * BLOCK_D + d[None, :],
+                  mask=p_mask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < head_size)
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    seq_lens_cpu: list[int] | None = None,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride() != key_cache.stride():
+        raise ValueError("query/key_cache must have a contiguous last dim and value_cache the strides of key_cache")
+    if partition_size % block_size:
+        raise ValueError(f"partition_size {partition_size} must be a multiple of block_size {block_size}")
+    partition_blocks = partition_size // block_size
+    # The block table width bounds every context without a device sync.
+    max_blocks = block_tables.shape[1]
+    if seq_lens_cpu is not None:
+        max_blocks = min(max_blocks, -(-max(seq_lens_cpu) // block_size))
+    num_partitions = max(1, triton.cdiv(max_blocks, partition_blocks))
+    block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16 on GPU
+    block_d = max(16, triton.next_power_of_2(head_size))
+    use_partitions = num_partitions > 1
+    if use_partitions:
+        rows = num_seqs * num_kv_heads * block_g
+        part_m = torch.empty(rows, num_partitions, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(rows, num_partitions, block_d, dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
+        query, key_cache, value_cache, block_tables, seq_lens,
+        out, part_m, part_l, part_acc,
+        scale, sliding_window or 0, group, head_size, num_partitions,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d,
+        PARTITION_BLOCKS=partition_blocks, USE_PARTITIONS=use_partitions,
+        HAS_WINDOW=sliding_window is not None, INTERPRET=interpreting(),
+    )
+    if use_partitions:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_m, part_l, part_acc, out, group, head_size, num_partitions, out.stride(0), out.stride(1),
+            BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(num_partitions),
+        )
+    return out

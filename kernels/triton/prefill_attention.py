@@ -1,0 +1,118 @@
+"""Triton varlen prefill attention over the paged KV cache.
+
+Grid (num_seqs, query tiles, num_heads): a program takes BLOCK_M query tokens of one
+sequence and one head and walks that sequence's block table up to its last query
+position (causal), from the first block inside the sliding window if there is one,
+with an online softmax. Query token j of a sequence with q_len new tokens and
+seq_len context sits at position seq_len - q_len + j, so cached prefixes (chunked
+prefill, prefix-cache hits) need nothing special.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._utils import interpreting
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    scale, sliding_window, group, head_size,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    m_block = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        prefix = seq_len - q_len
+        kv_head = head // group
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < q_len
+        q_pos = prefix + offs_m
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < head_size
+        q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        if INTERPRET:
+            q = q.to(tl.float32)  # interpreter defect: tl.dot on bf16 returns garbage; GPU keeps bf16 dots
+
+        last_pos = tl.minimum(prefix + (m_block + 1) * BLOCK_M, seq_len)  # exclusive
+        end_blk = tl.cdiv(last_pos, BLOCK_SIZE)
+        first_blk = 0
+        if HAS_WINDOW:
+            first_blk = tl.maximum(prefix + m_block * BLOCK_M - sliding_window + 1, 0) // BLOCK_SIZE
+
+        offs_n = tl.arange(0, BLOCK_SIZE)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for blk in range(first_blk, end_blk):
+            phys = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
+            kv_off = phys * stride_cb + offs_n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+            if INTERPRET:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE]
+            k_pos = blk * BLOCK_SIZE + offs_n
+            valid = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+            if HAS_WINDOW:
+                valid = valid & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    query_start_loc_cpu: list[int] | None = None,
+    seq_lens_cpu: list[int] | None = None,
+    block_m: int = 32,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride() != key_cache.stride():
+        raise ValueError("query/key_cache must have a contiguous last dim and value_cache the strides of key_cache")
+    if query_start_loc_cpu is not None:
+        max_query_len = max(b - a for a, b in zip(query_start_loc_cpu[:-1], query_start_loc_cpu[1:]))
+    else:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len == 0:
+        return out
+    _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_m), num_heads)](
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        scale, sliding_window or 0, num_heads // num_kv_heads, head_size,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+        HAS_WINDOW=sliding_window is not None, INTERPRET=interpreting(),
+    )
+    return out
