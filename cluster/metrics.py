@@ -1,0 +1,133 @@
+"""Prometheus metrics of one serving app, with vLLM-style names prefixed `pagedserve:`.
+
+Latency and size histograms are observed by the HTTP layer per request. Gauges and
+cumulative counters come from the engines' own stats (the coordinator's
+`aggregate_stats()`), read by a custom collector at scrape time, so they are exact
+and never drift. Every app gets its own `CollectorRegistry`: two apps in one process
+must not clash in the global one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pagedserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (as vLLM's request size histograms)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+# (metric name without prefix, aggregate_stats key, help)
+_GAUGES = (
+    ("num_requests_running", "num_running", "Requests in model execution batches."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (1 = 100%)."),
+    ("kv_cache_free_blocks", "num_free_blocks", "KV cache blocks in the free pool."),
+    ("kv_cache_total_blocks", "num_total_blocks", "KV cache blocks in total."),
+)
+_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", "Cumulative preemptions."),
+    ("prompt_tokens", "num_prompt_tokens", "Prefill tokens processed."),
+    ("generation_tokens", "num_generation_tokens", "Generation tokens processed."),
+)
+
+
+class EngineStatsCollector(Collector):
+    """Reads the engines' aggregated stats at scrape time."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, Any]]) -> None:
+        self.model_name = model_name
+        self.stats_fn = stats_fn
+
+    def collect(self):
+        try:
+            stats = self.stats_fn() or {}
+        except Exception:  # a scrape must not fail because one engine is unreachable
+            logger.exception("reading engine stats for /metrics failed")
+            stats = {}
+        for name, key, help_text in _GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0) or 0))
+            yield family
+        for name, key, help_text in _COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0) or 0))
+            yield family
+        per_engine = stats.get("per_engine") or []
+        healthy = GaugeMetricFamily(PREFIX + "engine_healthy", "1 when an engine is healthy.",
+                                    labels=["model_name", "engine_index"])
+        for i, engine_stats in enumerate(per_engine):
+            index = str(engine_stats.get("engine_index", i))
+            healthy.add_metric([self.model_name, index], 1.0 if engine_stats.get("healthy", True) else 0.0)
+        yield healthy
+
+
+class ServingMetrics:
+    """The metrics of one app. Observe per-request timings; `render()` gives the exposition text."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, Any]], max_model_len: int = 4096) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed outputs.", labels,
+                             buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        sizes = token_buckets(max_model_len)
+        self.prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.", labels,
+                                       buckets=sizes, registry=self.registry).labels(model_name)
+        self.generation_tokens = Histogram(PREFIX + "request_generation_tokens", "Generated tokens per request.",
+                                           labels, buckets=sizes, registry=self.registry).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._errors = Counter(PREFIX + "request_errors", "Requests that failed, by HTTP status.",
+                               ["model_name", "status"], registry=self.registry)
+        self.registry.register(EngineStatsCollector(model_name, stats_fn))
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_finished(self, e2e_seconds: float, prompt_tokens: int, generation_tokens: int,
+                         finish_reason: str | None) -> None:
+        self.e2e.observe(e2e_seconds)
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generation_tokens)
+        self._success.labels(self.model_name, finish_reason or "unknown").inc()
+
+    def observe_error(self, status: int) -> None:
+        self._errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
