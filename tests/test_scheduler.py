@@ -659,6 +659,8 @@ def test_randomized_invariants(seed: int) -> None:
         if rng.random() < 0.2:
             params["stop_token_ids"] = [rng.randint(100, 600)]
         max_tokens = min(rng.randint(1, 12), max_model_len - len(toks))
+        if rng.random() < 0.3:
+            params["min_tokens"] = rng.randint(0, max_tokens)
         if rng.random() < 0.3:  # this request samples EOS somewhere
             script = [default_token(rid, k) for k in range(max_tokens)]
             script[rng.randrange(max_tokens)] = EOS
