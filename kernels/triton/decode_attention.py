@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._utils import interpreting
+from kernels.triton._utils import dot_precision, interpreting
 
 DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition (a multiple of the block size)
 
@@ -27,7 +27,7 @@ def _decode_kernel(
     stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_os, stride_oh,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION_BLOCKS: tl.constexpr, USE_PARTITIONS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -62,7 +62,7 @@ def _decode_kernel(
         if INTERPRET:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale  # [G, BLOCK_SIZE]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, BLOCK_SIZE]
         pos = blk * BLOCK_SIZE + offs
         valid = (pos < seq_len) & (pos >= window_start)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -71,7 +71,7 @@ def _decode_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     if USE_PARTITIONS:
@@ -155,7 +155,7 @@ def paged_decode_attention_triton(
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d,
         PARTITION_BLOCKS=partition_blocks, USE_PARTITIONS=use_partitions,
-        HAS_WINDOW=sliding_window is not None, INTERPRET=interpreting(),
+        HAS_WINDOW=sliding_window is not None, INTERPRET=interpreting(), DOT_PRECISION=dot_precision(query.dtype),
     )
     if use_partitions:
         _decode_reduce_kernel[(num_seqs, num_heads)](

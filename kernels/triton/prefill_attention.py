@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._utils import interpreting
+from kernels.triton._utils import dot_precision, interpreting
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def _prefill_kernel(
     scale, sliding_window, group, head_size,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     m_block = tl.program_id(1)
@@ -62,7 +62,7 @@ def _prefill_kernel(
             if INTERPRET:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
             k_pos = blk * BLOCK_SIZE + offs_n
             valid = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             if HAS_WINDOW:
@@ -73,7 +73,7 @@ def _prefill_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
@@ -113,6 +113,6 @@ def paged_prefill_attention_triton(
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        HAS_WINDOW=sliding_window is not None, INTERPRET=interpreting(),
+        HAS_WINDOW=sliding_window is not None, INTERPRET=interpreting(), DOT_PRECISION=dot_precision(query.dtype),
     )
     return out

@@ -1,0 +1,80 @@
+"""Compile every Triton kernel to a CUDA cubin (sm_80) without a GPU; run as a script by the tests.
+
+Must run without TRITON_INTERPRET (then @triton.jit yields compilable functions). Prints one line
+per compiled kernel and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.triton.activation import _silu_and_mul_kernel  # noqa: E402
+from kernels.triton.cache import _reshape_and_cache_kernel  # noqa: E402
+from kernels.triton.decode_attention import _decode_kernel, _decode_reduce_kernel  # noqa: E402
+from kernels.triton.norm import _rms_norm_kernel  # noqa: E402
+from kernels.triton.prefill_attention import _prefill_kernel  # noqa: E402
+from kernels.triton.rotary import _rotary_kernel  # noqa: E402
+from kernels.triton.sampling import _top_k_top_p_min_p_kernel  # noqa: E402
+
+TARGET = GPUTarget("cuda", 80, 32)
+
+
+def compile_kernel(fn, pointers: dict[str, str], floats: set[str], constexprs: dict[str, object]) -> None:
+    """Arguments not named in pointers/floats/constexprs are i32 scalars."""
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    consts = {(names.index(k),): v for k, v in constexprs.items()}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=consts), target=TARGET)
+    assert compiled.asm.get("cubin"), fn.fn.__name__
+    print(f"compiled {fn.fn.__name__} {constexprs}", flush=True)
+
+
+def attention_pointers(dtype: str) -> dict[str, str]:
+    return {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+            "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+
+
+def main() -> None:
+    for dtype, precision, window, parts, head in (("bf16", "tf32", True, True, 128), ("fp32", "ieee", False, False, 80)):
+        block_d = triton.next_power_of_2(head)
+        compile_kernel(_decode_kernel, attention_pointers(dtype), {"scale"}, dict(
+            BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=block_d, PARTITION_BLOCKS=32, USE_PARTITIONS=parts,
+            HAS_WINDOW=window, INTERPRET=False, DOT_PRECISION=precision))
+        compile_kernel(_prefill_kernel, attention_pointers(dtype), {"scale"}, dict(
+            BLOCK_M=32, BLOCK_SIZE=32, BLOCK_D=block_d, HAS_WINDOW=window, INTERPRET=False,
+            DOT_PRECISION=precision))
+    compile_kernel(_decode_reduce_kernel, {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+                                           "out_ptr": "*bf16"}, set(), dict(BLOCK_G=16, BLOCK_D=128, BLOCK_P=4))
+    compile_kernel(_reshape_and_cache_kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
+                                               "value_cache_ptr": "*bf16", "slot_ptr": "*i64"},
+                   set(), dict(BLOCK_H=8, BLOCK_D=128))
+    compile_kernel(_rms_norm_kernel, {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16",
+                                      "out_ptr": "*bf16", "residual_out_ptr": "*bf16"},
+                   {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096))
+    compile_kernel(_rotary_kernel, {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "q_out_ptr": "*bf16",
+                                    "k_out_ptr": "*bf16", "cache_ptr": "*fp32"},
+                   set(), dict(IS_NEOX=False, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64))
+    compile_kernel(_silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024))
+    compile_kernel(_top_k_top_p_min_p_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_k_ptr": "*i32",
+                                               "top_p_ptr": "*fp32", "min_p_ptr": "*fp32"},
+                   set(), dict(HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, BLOCK=1024))
+
+
+if __name__ == "__main__":
+    main()
