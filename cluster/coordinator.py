@@ -1,0 +1,325 @@
+"""Data-parallel coordinator: routes each request to one of several headless engine actors.
+
+Routing (`choose_engine`): power of two choices by load, with prefix affinity. Load is the number
+of requests this coordinator has in flight on an engine plus the engine's latest waiting + running
+counts plus `kv_weight * kv_cache_usage`. Affinity keys are the chained block hashes
+(`engine.block_pool.hash_block_tokens`) of the prompt's first `affinity_blocks` full blocks, kept in
+a bounded LRU map hash -> engine; the longest known prefix wins, and is used unless that engine's
+load exceeds `imbalance_factor * (the two-choice winner's load) + 1`.
+
+Failure: a dead actor (RayActorError and subclasses) fails only the requests it was serving, with
+`EngineDeadError`; the engine is then skipped by routing until a stats poll (`refresh_stats`) gets an
+answer again from the restarted actor.
+
+Additions to the agreed API (all optional keywords): `DPCoordinator(..., kv_weight=4.0,
+stats_timeout_s=5.0, max_affinity_entries=65536)`. `start()` may be called outside a running event
+loop; polling then begins with the first `generate`/`refresh_stats` call. Cumulative counters in
+`aggregate_stats()` stay monotonic across actor restarts (a restarted engine's counters are added
+to what it had counted before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from engine.async_llm import EngineDeadError
+from engine.block_pool import BlockHash, hash_block_tokens
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Cumulative engine counters (summed, and kept monotonic across actor restarts).
+COUNTER_KEYS = (
+    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens",
+)
+# Instantaneous engine gauges (summed over reachable engines).
+GAUGE_KEYS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks")
+
+
+@dataclass
+class EngineState:
+    """What the coordinator knows about one engine."""
+
+    index: int
+    handle: Any
+    available: bool = True  # False after the actor died / stopped answering, until a stats poll succeeds
+    in_flight: int = 0  # requests routed here by this coordinator and not finished
+    num_routed: int = 0  # total requests routed here
+    stats: dict | None = None  # latest get_stats() answer (None before the first poll)
+    counter_base: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_KEYS, 0))
+    last_counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_KEYS, 0))
+
+    @property
+    def healthy(self) -> bool:
+        """Routable: reachable and not reporting a stall."""
+        return self.available and (self.stats is None or bool(self.stats.get("healthy", True)))
+
+    def load(self, kv_weight: float) -> float:
+        stats = self.stats or {}
+        return (self.in_flight + stats.get("num_waiting", 0) + stats.get("num_running", 0)
+                + kv_weight * stats.get("kv_cache_usage", 0.0))
+
+
+class DPCoordinator:
+    """Lives in the HTTP ingress process; holds the engine actor handles."""
+
+    def __init__(
+        self,
+        engines: list[Any],
+        block_size: int,
+        affinity_blocks: int = 4,
+        imbalance_factor: float = 2.0,
+        stats_interval_s: float = 0.5,
+        seed: int = 0,
+        kv_weight: float = 4.0,
+        stats_timeout_s: float = 5.0,
+        max_affinity_entries: int = 65536,
+    ) -> None:
+        if not engines:
+            raise ValueError("engines: need at least one engine actor")
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        if affinity_blocks < 0:
+            raise ValueError(f"affinity_blocks: must be >= 0, got {affinity_blocks}")
+        if imbalance_factor < 1.0:
+            raise ValueError(f"imbalance_factor: must be >= 1, got {imbalance_factor}")
+        if stats_interval_s <= 0:
+            raise ValueError(f"stats_interval_s: must be > 0, got {stats_interval_s}")
+        if max_affinity_entries < 1:
+            raise ValueError(f"max_affinity_entries: must be >= 1, got {max_affinity_entries}")
+        self.engines = [EngineState(i, handle) for i, handle in enumerate(engines)]
+        self.block_size = block_size
+        self.affinity_blocks = affinity_blocks
+        self.imbalance_factor = imbalance_factor
+        self.stats_interval_s = stats_interval_s
+        self.kv_weight = kv_weight
+        self.stats_timeout_s = stats_timeout_s
+        self.max_affinity_entries = max_affinity_entries
+        self._rng = random.Random(seed)
+        self._affinity: OrderedDict[BlockHash, int] = OrderedDict()
+        self._requests: dict[str, int] = {}  # request_id -> engine index, while in flight
+        self._want_polling = False
+        self._poller: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ routing
+
+    def prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[BlockHash]:
+        """Chained hashes of the prompt's first `affinity_blocks` full blocks."""
+        num_blocks = min(self.affinity_blocks, len(prompt_token_ids) // self.block_size)
+        hashes: list[BlockHash] = []
+        parent: BlockHash | None = None
+        for b in range(num_blocks):
+            parent = hash_block_tokens(parent, prompt_token_ids[b * self.block_size:(b + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def _candidates(self) -> list[EngineState]:
+        healthy = [e for e in self.engines if e.healthy]
+        if healthy:
+            return healthy
+        reachable = [e for e in self.engines if e.available]
+        return reachable or list(self.engines)  # nothing better: a restarting actor queues the call
+
+    def choose_engine(self, prompt_token_ids: list[int]) -> int:
+        """Engine index for this prompt: load + prefix affinity + power of two choices."""
+        candidates = self._candidates()
+        if len(candidates) == 1:
+            return candidates[0].index
+        first, second = self._rng.sample(candidates, 2)
+        choice = first if first.load(self.kv_weight) <= second.load(self.kv_weight) else second
+        affine = self._affinity_engine(prompt_token_ids, candidates)
+        if affine is not None and affine.load(self.kv_weight) <= (
+            self.imbalance_factor * choice.load(self.kv_weight) + 1
+        ):
+            return affine.index
+        return choice.index
+
+    def _affinity_engine(self, prompt_token_ids: Sequence[int], candidates: list[EngineState]) -> EngineState | None:
+        allowed = {e.index for e in candidates}
+        for block_hash in reversed(self.prefix_hashes(prompt_token_ids)):  # longest known prefix first
+            index = self._affinity.get(block_hash)
+            if index is not None and index in allowed:
+                return self.engines[index]
+        return None
+
+    def _remember_prefix(self, prompt_token_ids: Sequence[int], index: int) -> None:
+        for block_hash in self.prefix_hashes(prompt_token_ids):
+            self._affinity[block_hash] = index
+            self._affinity.move_to_end(block_hash)
+        while len(self._affinity) > self.max_affinity_entries:
+            self._affinity.popitem(last=False)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: dict,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Route the request and stream its DELTA outputs.
+
+        Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError (the engine died
+        while serving this request). Stopping the iteration early aborts the request on its engine.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self._ensure_polling()
+        index = self.choose_engine(prompt_token_ids)
+        state = self.engines[index]
+        self._remember_prefix(prompt_token_ids, index)
+        state.in_flight += 1
+        state.num_routed += 1
+        self._requests[request_id] = index
+        finished = False
+        try:
+            stream = state.handle.generate.remote(
+                request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling_params, priority
+            )
+            async for ref in stream:
+                output: RequestOutput = await ref
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+            if not finished:  # the stream ended without a final output: the engine went away
+                raise EngineDeadError(f"engine {index} ended request {request_id!r} without finishing it")
+        except RayActorError as exc:
+            self._mark_unavailable(state, exc)
+            raise EngineDeadError(f"engine {index} died while serving request {request_id!r}: {exc}") from None
+        except RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else None
+            if isinstance(cause, EngineDeadError):
+                self._mark_unavailable(state, cause)
+            if cause is not None:
+                raise cause from None
+            raise
+        finally:
+            state.in_flight -= 1
+            self._requests.pop(request_id, None)
+            if not finished:  # consumer stopped early or the request failed: free its blocks
+                self._fire_abort(state, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort an in-flight request; its stream ends with a final output whose finish_reason is "abort"."""
+        index = self._requests.get(request_id)
+        if index is None:
+            return
+        try:
+            await asyncio.wait_for(self.engines[index].handle.abort.remote(request_id), self.stats_timeout_s)
+        except (RayActorError, asyncio.TimeoutError):
+            pass  # the engine is gone or stuck; its requests fail on their own
+
+    def _fire_abort(self, state: EngineState, request_id: str) -> None:
+        if not state.available:
+            return
+        try:
+            state.handle.abort.remote(request_id)  # fire and forget: must not block a closing generator
+        except Exception:  # noqa: BLE001 - the actor handle may be unusable while it restarts
+            logger.debug("abort of %s on engine %d could not be sent", request_id, state.index)
+
+    def _mark_unavailable(self, state: EngineState, exc: BaseException) -> None:
+        if state.available:
+            logger.warning("engine %d unavailable, routing around it: %s", state.index, exc)
+        state.available = False
+
+    # ------------------------------------------------------------------ stats and health
+
+    async def refresh_stats(self) -> list[dict]:
+        """Poll every engine's stats; an engine that does not answer is reported unhealthy and skipped."""
+        return list(await asyncio.gather(*(self._poll_one(state) for state in self.engines)))
+
+    async def _poll_one(self, state: EngineState) -> dict:
+        try:
+            stats = await asyncio.wait_for(state.handle.get_stats.remote(), self.stats_timeout_s)
+        except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+            self._mark_unavailable(state, exc)
+            return {"engine_index": state.index, "healthy": False, "reachable": False}
+        if not state.available:
+            logger.info("engine %d answers again; routing to it", state.index)
+        state.available = True
+        self._update_counters(state, stats)
+        state.stats = stats
+        return {**stats, "reachable": True}
+
+    @staticmethod
+    def _update_counters(state: EngineState, stats: dict) -> None:
+        for key in COUNTER_KEYS:
+            value = int(stats.get(key, 0))
+            if value < state.last_counters[key]:  # the actor restarted and counts from zero again
+                state.counter_base[key] += state.last_counters[key]
+            state.last_counters[key] = value
+
+    def aggregate_stats(self) -> dict:
+        """Summed counters and gauges over engines, mean KV usage, and a per-engine list."""
+        reachable = [e for e in self.engines if e.available and e.stats is not None]
+        out: dict[str, Any] = {key: sum(e.counter_base[key] + e.last_counters[key] for e in self.engines)
+                               for key in COUNTER_KEYS}
+        out.update({key: sum(int(e.stats.get(key, 0)) for e in reachable) for key in GAUGE_KEYS})
+        usages = [float(e.stats.get("kv_cache_usage", 0.0)) for e in reachable]
+        out["kv_cache_usage"] = sum(usages) / len(usages) if usages else 0.0
+        out["num_engines"] = len(self.engines)
+        out["num_healthy_engines"] = sum(e.healthy for e in self.engines)
+        out["num_in_flight"] = sum(e.in_flight for e in self.engines)
+        out["num_requests_routed"] = [e.num_routed for e in self.engines]
+        out["engines"] = [
+            {
+                **(e.stats or {"engine_index": e.index}),
+                "available": e.available,
+                "healthy": e.healthy,
+                "in_flight": e.in_flight,
+                "num_routed": e.num_routed,
+            }
+            for e in self.engines
+        ]
+        return out
+
+    def is_healthy(self) -> bool:
+        """False if an engine reports a stall (work waiting, no progress) or no engine is reachable."""
+        if not any(e.available for e in self.engines):
+            return False
+        return not any(e.available and e.stats is not None and not e.stats.get("healthy", True)
+                       for e in self.engines)
+
+    # ------------------------------------------------------------------ background polling
+
+    def start(self) -> None:
+        """Start polling stats every `stats_interval_s` (now if an event loop runs, else on first use)."""
+        self._want_polling = True
+        self._ensure_polling()
+
+    def _ensure_polling(self) -> None:
+        if not self._want_polling or (self._poller is not None and not self._poller.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._poller = loop.create_task(self._poll_loop(), name="dp-coordinator-stats")
+
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_stats()
+            except Exception:  # noqa: BLE001 - keep polling; one bad round must not stop routing updates
+                logger.exception("stats poll failed")
+            await asyncio.sleep(self.stats_interval_s)
+
+    async def stop(self) -> None:
+        self._want_polling = False
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+            self._poller = None

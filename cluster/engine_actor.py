@@ -1,0 +1,241 @@
+"""Headless engine actors: one `AsyncLLM` per Ray actor, stepping continuously, many requests in flight.
+
+The actor is an async Ray actor (high `max_concurrency`); `generate` is a Ray streaming generator
+that yields the engine's DELTA `RequestOutput`s. An engine with TP/PP > 1 builds its own worker
+group inside the actor through the engine's "ray" executor backend.
+
+Failure model: actors are restartable (`max_restarts`) with `max_task_retries=0`, so the calls in
+flight when an actor dies fail (the coordinator turns that into `EngineDeadError` for those requests
+only) instead of being replayed silently. If the engine loop inside a live actor dies, a watchdog
+thread exits the process so that Ray restarts it.
+
+Additions to the agreed API (all optional keywords):
+- `EngineActor.__init__(..., stall_timeout_s=120.0)` and `start_engine_actors(..., max_pending_requests=1024,
+  stall_timeout_s=120.0, max_concurrency=None)`.
+- `wait_engines_ready(engines, timeout_s=None) -> list[dict]`: block until every actor's `ready()` answers.
+- `EngineActor.abort` ends that request's `generate` stream with one final output whose
+  `finish_reason` is "abort" (the engine itself emits nothing for an aborted request).
+- `ready()` also returns "max_num_seqs", "max_num_batched_tokens", "model", "served_model_name",
+  "tensor_parallel_size", "pipeline_parallel_size", "pid" and "restarted" (True after a Ray restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from pydantic import ValidationError
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Stats keys copied from the engine's SchedulerStats.
+_SCHEDULER_KEYS = (
+    "num_running", "num_waiting", "kv_cache_usage", "num_preemptions", "prefix_cache_queries",
+    "prefix_cache_hits", "num_free_blocks", "num_total_blocks", "num_prompt_tokens", "num_generation_tokens",
+)
+
+
+def _plain_value_error(exc: ValueError) -> ValueError:
+    """pydantic's ValidationError does not survive Ray's pickling/re-wrapping well: send a plain ValueError."""
+    if isinstance(exc, ValidationError) or type(exc) is not ValueError:
+        return ValueError(str(exc))
+    return exc
+
+
+def _abort_output(request_id: str, prompt: str | dict, n: int) -> RequestOutput:
+    prompt_ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
+    outputs = [
+        CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="abort")
+        for i in range(n)
+    ]
+    return RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                         prompt_token_ids=prompt_ids, prompt_logprobs=None, outputs=outputs, finished=True)
+
+
+async def _cancel_and_wait(future: asyncio.Future) -> None:
+    if not future.done():
+        future.cancel()
+    await asyncio.gather(future, return_exceptions=True)
+
+
+class EngineActor:
+    """Hosts one engine. Wrapped with `ray.remote` by `start_engine_actors` (usable without Ray in tests)."""
+
+    def __init__(
+        self,
+        engine_kwargs: dict,
+        engine_index: int,
+        max_pending_requests: int = 1024,
+        stall_timeout_s: float = 120.0,
+    ) -> None:
+        self.engine_index = engine_index
+        self.engine = AsyncLLM(EngineConfig(**engine_kwargs), max_pending_requests=max_pending_requests,
+                               stall_timeout_s=stall_timeout_s)
+        # request_id -> set by abort() to end that request's generate() stream.
+        self._aborts: dict[str, asyncio.Event] = {}
+        self._stopped = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch_engine, name="engine-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # ------------------------------------------------------------------ remote API
+
+    async def ready(self) -> dict:
+        config = self.engine.config
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        except Exception:  # noqa: BLE001 - not running inside a Ray actor
+            restarted = False
+        return {
+            "engine_index": self.engine_index,
+            "num_kv_blocks": self.engine.engine.engine_core.num_blocks,
+            "block_size": config.block_size,
+            "max_model_len": config.max_model_len,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "model": config.model,
+            "served_model_name": config.served_model_name,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "pipeline_parallel_size": config.pipeline_parallel_size,
+            "pid": os.getpid(),
+            "restarted": bool(restarted),
+        }
+
+    @ray.method(num_returns="streaming")
+    async def generate(
+        self, request_id: str, prompt: str | dict, sampling_params: dict, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs. ValueError (bad input), EngineOverloadedError and EngineDeadError propagate."""
+        try:
+            params = SamplingParams(**sampling_params)
+        except ValueError as exc:
+            raise _plain_value_error(exc) from None
+        if request_id in self._aborts:
+            raise ValueError(f"request_id: {request_id!r} is already running on engine {self.engine_index}")
+        aborted = asyncio.Event()
+        self._aborts[request_id] = aborted
+        stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority)
+        abort_wait = asyncio.ensure_future(aborted.wait())
+        next_output: asyncio.Future | None = None
+        try:
+            while True:
+                # Race the next output against abort(): the engine emits nothing for an aborted request.
+                next_output = asyncio.ensure_future(anext(stream))
+                await asyncio.wait({next_output, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not next_output.done():
+                    await _cancel_and_wait(next_output)
+                    yield _abort_output(request_id, prompt, params.n)
+                    return
+                try:
+                    output = next_output.result()
+                except StopAsyncIteration:
+                    return
+                except ValueError as exc:
+                    raise _plain_value_error(exc) from None
+                yield output
+        finally:
+            abort_wait.cancel()
+            self._aborts.pop(request_id, None)
+            if next_output is not None:
+                await _cancel_and_wait(next_output)  # the generator must be idle before aclose()
+            await stream.aclose()  # aborts the engine request if it did not finish
+
+    async def abort(self, request_id: str) -> None:
+        aborted = self._aborts.get(request_id)
+        if aborted is not None:
+            aborted.set()
+        await self.engine.abort(request_id)
+
+    async def get_stats(self) -> dict:
+        stats = self.engine.get_stats()
+        out: dict[str, Any] = {"engine_index": self.engine_index}
+        out.update({key: getattr(stats.scheduler, key) for key in _SCHEDULER_KEYS})
+        out["num_unfinished"] = stats.num_unfinished
+        out["healthy"] = stats.healthy
+        out["last_step_age_s"] = max(0.0, time.monotonic() - stats.last_step_time)
+        return out
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ watchdog
+
+    def _watch_engine(self) -> None:
+        """If the engine loop dies (not merely stalls), exit so that Ray restarts the actor."""
+        while not self._stopped.wait(1.0):
+            if not self.engine.get_stats().engine_alive:
+                logger.error("engine %d: the engine loop died; exiting so that Ray restarts this actor",
+                             self.engine_index)
+                time.sleep(1.0)  # let the in-flight requests receive their EngineDeadError
+                if not self._stopped.is_set():
+                    os._exit(1)
+                return
+
+
+def _ensure_ray() -> None:
+    try:
+        from cluster.ray_utils import ensure_ray
+    except ImportError:  # cluster/ray_utils.py not there yet: start or join Ray the plain way
+        if not ray.is_initialized():
+            ray.init()
+        return
+    ensure_ray()
+
+
+def start_engine_actors(
+    engine_kwargs: dict,
+    data_parallel_size: int,
+    num_cpus_per_engine: float = 1,
+    name_prefix: str | None = None,
+    max_restarts: int = -1,
+    max_pending_requests: int = 1024,
+    stall_timeout_s: float = 120.0,
+    max_concurrency: int | None = None,
+) -> list[ray.actor.ActorHandle]:
+    """Create `data_parallel_size` restartable engine actors (not waiting for them; see `wait_engines_ready`)."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size: must be >= 1, got {data_parallel_size}")
+    if num_cpus_per_engine < 0:
+        raise ValueError(f"num_cpus_per_engine: must be >= 0, got {num_cpus_per_engine}")
+    if max_pending_requests < 1:
+        raise ValueError(f"max_pending_requests: must be >= 1, got {max_pending_requests}")
+    EngineConfig(**engine_kwargs)  # fail fast in the caller on bad engine arguments
+    _ensure_ray()
+    concurrency = max_concurrency or max_pending_requests + 64  # + room for stats/health/abort calls
+    actor_cls = ray.remote(EngineActor)
+    engines = []
+    for index in range(data_parallel_size):
+        options: dict[str, Any] = dict(
+            num_cpus=num_cpus_per_engine,
+            max_restarts=max_restarts,
+            max_task_retries=0,
+            max_concurrency=concurrency,
+        )
+        if name_prefix is not None:
+            options["name"] = f"{name_prefix}-{index}"
+        engines.append(
+            actor_cls.options(**options).remote(engine_kwargs, index, max_pending_requests, stall_timeout_s)
+        )
+    return engines
+
+
+def wait_engines_ready(engines: list[ray.actor.ActorHandle], timeout_s: float | None = None) -> list[dict]:
+    """Block until every engine has loaded its model; returns their `ready()` answers in order."""
+    return ray.get([engine.ready.remote() for engine in engines], timeout=timeout_s)
