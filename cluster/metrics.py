@@ -80,7 +80,7 @@ class EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], float(stats.get(key, 0) or 0))
             yield family
-        per_engine = stats.get("per_engine") or []
+        per_engine = stats.get("engines") or []
         healthy = GaugeMetricFamily(PREFIX + "engine_healthy", "1 when an engine is healthy.",
                                     labels=["model_name", "engine_index"])
         for i, engine_stats in enumerate(per_engine):
