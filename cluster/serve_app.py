@@ -94,12 +94,16 @@ def _loc_param(loc: tuple) -> str | None:
     return ".".join(names) if names else None
 
 
+def _msg(error: dict) -> str:
+    return str(error.get("msg", "")).removeprefix("Value error, ")
+
+
 def bad_request(exc: Exception) -> APIError:
     """400 from a ValueError: the field comes from a pydantic error's location or a 'field: ...' message."""
     if isinstance(exc, ValidationError):
         errors = exc.errors()
         param = _loc_param(errors[0]["loc"]) if errors else None
-        message = "; ".join(f"{_loc_param(e['loc']) or 'body'}: {e['msg']}" for e in errors)
+        message = "; ".join(f"{_loc_param(e['loc']) or 'body'}: {_msg(e)}" for e in errors)
         return APIError(400, message, param=param)
     message = str(exc)
     match = _FIELD_PREFIX.match(message)
@@ -624,7 +628,7 @@ def build_fastapi_app(serving: OpenAIServing) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         param = _loc_param(tuple(errors[0].get("loc", ()))) if errors else None
-        message = "; ".join(f"{_loc_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errors)
+        message = "; ".join(f"{_loc_param(tuple(e.get('loc', ()))) or 'body'}: {_msg(e)}" for e in errors)
         serving.metrics.observe_error(400)
         return APIError(400, message or "invalid request", param=param).response()
 

@@ -1,0 +1,164 @@
+"""The `pagedserve` console script.
+
+`pagedserve serve [MODEL]` starts (or joins, with --address / RAY_ADDRESS) a Ray cluster and
+serves the model over the OpenAI-compatible HTTP API through Ray Serve, until Ctrl-C or
+SIGTERM. `pagedserve generate [MODEL] --prompt ...` runs one offline generation through
+`engine.LLM`. With no MODEL both use the bundled default model. Flags mirror vLLM's and
+map onto `ServeArgs`, which validates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.protocol import API_KEY_ENV, ServeArgs
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Engine flags (EngineConfig fields). Defaults are None so only what the user set is passed on."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF-format model directory (default: the bundled default model)")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--kv-cache-memory", help="KV cache budget on CPU, e.g. 4GiB")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    parser.add_argument("--max-logprobs", type=int)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int)
+    parser.add_argument("--distributed-executor-backend", choices=["uni", "ray"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_parser = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (Ray Serve)")
+    _add_engine_flags(serve_parser)
+    serve_parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve_parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    serve_parser.add_argument("--address", help="Ray cluster address to join (default: RAY_ADDRESS, else local)")
+    serve_parser.add_argument("--data-parallel-size", "-dp", type=int)
+    serve_parser.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
+    serve_parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
+    serve_parser.add_argument("--num-cpus-per-engine", type=float)
+
+    gen = sub.add_parser("generate", help="generate a completion offline (no server)")
+    _add_engine_flags(gen)
+    gen.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", default=None)
+    return parser
+
+
+_NOT_ARGS = {"command", "prompt", "chat", "max_tokens", "temperature", "top_p", "top_k", "sampling_seed", "stop"}
+
+
+def serve_args_from(ns: argparse.Namespace) -> ServeArgs:
+    """The flags the user gave, validated; raises SystemExit(2) with the flag named on bad values."""
+    values: dict[str, Any] = {k: v for k, v in vars(ns).items() if k not in _NOT_ARGS and v is not None}
+    try:
+        return ServeArgs(**values)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            field = next((str(p) for p in error["loc"] if isinstance(p, str)), None)
+            name = "MODEL" if field == "model" else (_flag(field) if field else "arguments")
+            lines.append(f"{name}: {error['msg'].removeprefix('Value error, ')}")
+        print(f"pagedserve {ns.command}: error: " + "; ".join(lines), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_serve(args: ServeArgs) -> int:
+    from ray import serve
+
+    from cluster.serve_app import server_url, shutdown_server, start_server
+
+    print(f"pagedserve: model {args.model} (served as {args.model_name!r}); data parallel {args.data_parallel_size}, "
+          f"tensor parallel {args.tensor_parallel_size}, pipeline parallel {args.pipeline_parallel_size}", flush=True)
+    print("pagedserve: starting Ray and Serve, loading the model and sizing the KV cache ...", flush=True)
+    handle = start_server(args)
+    for info in handle.get_engine_info.remote().result():
+        tokens = info["num_kv_blocks"] * info["block_size"]
+        print(f"pagedserve: engine {info['engine_index']}: {info['num_kv_blocks']} KV blocks x "
+              f"{info['block_size']} tokens = {tokens} tokens; max_model_len {info['max_model_len']}", flush=True)
+    url = server_url(args)
+    print(f"pagedserve: ready at {url}/v1  (health {url}/health, metrics {url}/metrics). Ctrl-C to stop.",
+          flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        if args.app_name not in serve.status().applications:
+            print("pagedserve: the application is gone; exiting", file=sys.stderr)
+            return 1
+    print("pagedserve: shutting down ...", flush=True)
+    shutdown_server()
+    return 0
+
+
+def cmd_generate(args: ServeArgs, ns: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                                top_k=ns.top_k, seed=ns.sampling_seed, stop=ns.stop)
+    except ValidationError as exc:
+        field = next((str(p) for p in exc.errors()[0]["loc"]), "arguments")
+        print(f"pagedserve generate: error: {_flag(field)}: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    print(f"pagedserve: loading {args.model} ...", file=sys.stderr, flush=True)
+    llm = LLM(**args.engine_kwargs())
+    try:
+        if ns.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(ns.prompt, params, use_tqdm=False)
+    except ValueError as exc:
+        print(f"pagedserve generate: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        llm.shutdown()
+    for output in outputs:
+        if len(outputs) > 1:
+            print(f"--- {output.prompt!r}")
+        print(output.outputs[0].text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    args = serve_args_from(ns)
+    if ns.command == "serve":
+        return cmd_serve(args)
+    return cmd_generate(args, ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
