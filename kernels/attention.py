@@ -18,7 +18,10 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     seq_lens_cpu: list[int] | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (at position seq_len-1) over its blocks. Returns [num_seqs, num_heads, head_size]."""
+    """One query token per sequence (at position seq_len-1) over its blocks.
+
+    Returns [num_seqs, num_heads, head_size] in the query dtype.
+    """
     check_dim("query", query, 3)
     check_kv_cache(query, key_cache, value_cache)
     check_dim("block_tables", block_tables, 2)

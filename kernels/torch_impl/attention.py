@@ -2,8 +2,9 @@
 
 Decode gathers the blocks of a group of sequences with index_select into a
 reused buffer and runs one SDPA per group with a length mask. GQA is handled by
-viewing the query heads as [B, Hkv, G, D] so the K/V are never repeated. Prefill loops over sequences (their query lengths differ)
-and runs SDPA on each gathered context with an explicit causal-offset mask.
+viewing the query heads as [B, Hkv, G, D] so the K/V are never repeated.
+Prefill loops over sequences (their query lengths differ) and runs SDPA on each
+gathered context with an explicit causal-offset mask.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import torch.nn.functional as F
 
 
 def _gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """cache [N, bs, Hkv, D], block_table [..., nb] -> [..., num_tokens, Hkv, D] (contiguous copy)."""
+    """cache [N, bs, Hkv, D], block_table [nb] -> [num_tokens, Hkv, D], copied into `out` (flat blocks) if given."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
-    table = block_table[..., :num_blocks]
-    gathered = cache.index_select(0, table.reshape(-1).to(torch.int64))
-    gathered = gathered.view(*table.shape[:-1], num_blocks * block_size, *cache.shape[2:])
-    return gathered[..., :num_tokens, :, :]
+    idx = block_table[:num_blocks].to(torch.int64)
+    if out is None:
+        gathered = cache.index_select(0, idx)
+    else:
+        gathered = torch.index_select(cache, 0, idx, out=out[:num_blocks])
+    return gathered.view(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
 
 
 def _key_mask(
@@ -123,13 +126,19 @@ def paged_prefill_attention_torch(
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     out = torch.empty_like(query)
+    if not lens:
+        return out
+    # One buffer reused by every sequence: no fresh (page-faulting) allocation per sequence.
+    max_blocks = -(-max(lens) // key_cache.shape[1])
+    k_buf = key_cache.new_empty((max_blocks, *key_cache.shape[1:]))
+    v_buf = value_cache.new_empty((max_blocks, *value_cache.shape[1:]))
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _gather_context(key_cache, block_tables[i], seq_len).transpose(0, 1)  # [Hkv, L, D]
-        v = _gather_context(value_cache, block_tables[i], seq_len).transpose(0, 1)
+        k = _gather_context(key_cache, block_tables[i], seq_len, k_buf).transpose(0, 1)  # [Hkv, L, D]
+        v = _gather_context(value_cache, block_tables[i], seq_len, v_buf).transpose(0, 1)
         # [q_len, H, D] -> [Hkv, G*q_len, D]: each KV head serves its G query heads without repeating K/V.
         q = query[q_start:q_end].view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
         q = q.reshape(num_kv_heads, group * q_len, head_size)

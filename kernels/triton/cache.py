@@ -42,7 +42,8 @@ def reshape_and_cache_triton(
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
-    if key.stride(2) != 1 or value.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride() != key_cache.stride():
+    rows_ok = key.stride(2) == 1 and value.stride(2) == 1 and key_cache.stride(3) == 1
+    if not rows_ok or value_cache.stride() != key_cache.stride():
         raise ValueError("key/value and key_cache/value_cache must have a contiguous last dim and equal cache strides")
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,

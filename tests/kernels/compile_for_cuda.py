@@ -51,7 +51,8 @@ def attention_pointers(dtype: str) -> dict[str, str]:
 
 
 def main() -> None:
-    for dtype, precision, window, parts, head in (("bf16", "tf32", True, True, 128), ("fp32", "ieee", False, False, 80)):
+    cases = (("bf16", "tf32", True, True, 128), ("fp32", "ieee", False, False, 80))
+    for dtype, precision, window, parts, head in cases:
         block_d = triton.next_power_of_2(head)
         compile_kernel(_decode_kernel, attention_pointers(dtype), {"scale"}, dict(
             BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=block_d, PARTITION_BLOCKS=32, USE_PARTITIONS=parts,

@@ -267,7 +267,8 @@ kernels.fused_add_rms_norm(torch.randn(3, 16), torch.randn(3, 16), torch.ones(16
 cache = kernels.compute_rope_cos_sin_cache(16, 32, 10000.0, None, torch.float32)
 kernels.rotary_embedding(torch.tensor([1, 2]), torch.randn(2, 64), torch.randn(2, 32), cache, 16)
 kernels.silu_and_mul(torch.randn(3, 8))
-kernels.apply_top_k_top_p_min_p(torch.randn(2, 9), torch.tensor([2, 0]), torch.tensor([0.9, 1.0]), torch.tensor([0.1, 0.0]))
+kernels.apply_top_k_top_p_min_p(torch.randn(2, 9), torch.tensor([2, 0]), torch.tensor([0.9, 1.0]),
+                                torch.tensor([0.1, 0.0]))
 print(sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "kernels.triton"))))
 """
 
