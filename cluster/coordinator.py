@@ -13,7 +13,7 @@ answer again from the restarted actor.
 
 Additions to the agreed API (all optional keywords): `DPCoordinator(..., kv_weight=4.0,
 stats_timeout_s=5.0, max_affinity_entries=65536)`. `start()` may be called outside a running event
-loop; polling then begins with the first `generate`/`refresh_stats` call. Cumulative counters in
+loop; polling then begins with the first `generate` call. Cumulative counters in
 `aggregate_stats()` stay monotonic across actor restarts (a restarted engine's counters are added
 to what it had counted before).
 """
@@ -126,7 +126,7 @@ class DPCoordinator:
         if healthy:
             return healthy
         reachable = [e for e in self.engines if e.available]
-        return reachable or list(self.engines)  # nothing better: a restarting actor queues the call
+        return reachable or list(self.engines)  # nothing better: stats may be stale, try (fails fast if dead)
 
     def choose_engine(self, prompt_token_ids: list[int]) -> int:
         """Engine index for this prompt: load + prefix affinity + power of two choices."""

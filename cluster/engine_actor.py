@@ -31,8 +31,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnavailableError
 from pydantic import ValidationError
 
+from cluster.ray_utils import ensure_ray
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput
@@ -189,16 +191,6 @@ class EngineActor:
                 return
 
 
-def _ensure_ray() -> None:
-    try:
-        from cluster.ray_utils import ensure_ray
-    except ImportError:  # cluster/ray_utils.py not there yet: start or join Ray the plain way
-        if not ray.is_initialized():
-            ray.init()
-        return
-    ensure_ray()
-
-
 def start_engine_actors(
     engine_kwargs: dict,
     data_parallel_size: int,
@@ -217,7 +209,7 @@ def start_engine_actors(
     if max_pending_requests < 1:
         raise ValueError(f"max_pending_requests: must be >= 1, got {max_pending_requests}")
     EngineConfig(**engine_kwargs)  # fail fast in the caller on bad engine arguments
-    _ensure_ray()
+    ensure_ray()
     concurrency = max_concurrency or max_pending_requests + 64  # + room for stats/health/abort calls
     actor_cls = ray.remote(EngineActor)
     engines = []
@@ -237,5 +229,20 @@ def start_engine_actors(
 
 
 def wait_engines_ready(engines: list[ray.actor.ActorHandle], timeout_s: float | None = None) -> list[dict]:
-    """Block until every engine has loaded its model; returns their `ready()` answers in order."""
-    return ray.get([engine.ready.remote() for engine in engines], timeout=timeout_s)
+    """Block until every engine has loaded its model; returns their `ready()` answers in order.
+
+    A restarting actor rejects calls (ActorUnavailableError) until it is back: retry until `timeout_s`.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    answers: list[dict] = []
+    for engine in engines:
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                answers.append(ray.get(engine.ready.remote(), timeout=remaining))
+                break
+            except ActorUnavailableError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+    return answers

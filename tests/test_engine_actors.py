@@ -1,0 +1,218 @@
+"""Headless engine actors behind the DP coordinator, on a local Ray instance (DP=2, tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cluster.coordinator import DPCoordinator  # noqa: E402
+from cluster.engine_actor import start_engine_actors, wait_engines_ready  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.async_llm import EngineDeadError  # noqa: E402
+
+BLOCK = 4
+PROMPTS = [[(7 * i + 13 * k) % 400 + 10 for k in range(6 + 3 * i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def engine_kwargs(tiny_llama) -> dict:
+    return dict(model=str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def engines(engine_kwargs):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    handles = start_engine_actors(engine_kwargs, data_parallel_size=2, name_prefix="test-dp")
+    try:
+        infos = wait_engines_ready(handles, timeout_s=300)
+        assert [info["engine_index"] for info in infos] == [0, 1]
+        assert all(info["block_size"] == BLOCK and info["num_kv_blocks"] > 0 for info in infos)
+        yield handles
+    finally:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        ray.shutdown()
+
+
+def _run(coro, timeout: float = 120.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def _collect(coord: DPCoordinator, request_id: str, prompt: list[int], params: dict) -> list[int]:
+    tokens: list[int] = []
+    finishes = []
+    async for out in coord.generate(request_id, prompt, params):
+        tokens += out.outputs[0].token_ids
+        if out.outputs[0].finish_reason is not None:
+            finishes.append(out.outputs[0].finish_reason)
+    assert len(finishes) == 1  # exactly one delta carries the finish reason
+    return tokens
+
+
+async def _wait_idle(coord: DPCoordinator) -> list[dict]:
+    """Poll until every engine reports no work and all blocks free (or give up and return the last stats)."""
+    stats: list[dict] = []
+    for _ in range(200):
+        stats = await coord.refresh_stats()
+        if all(s.get("num_running") == 0 and s.get("num_waiting") == 0
+               and s.get("num_free_blocks") == s.get("num_total_blocks") for s in stats):
+            break
+        await asyncio.sleep(0.05)
+    return stats
+
+
+def test_dp2_spreads_requests_and_matches_offline_greedy(engines, engine_kwargs):
+    params = dict(temperature=0, max_tokens=8, min_tokens=8)
+
+    async def run():
+        coord = DPCoordinator(engines, block_size=BLOCK, seed=1)
+        before = await coord.refresh_stats()
+        results = await asyncio.gather(*[_collect(coord, f"spread-{i}", p, params) for i, p in enumerate(PROMPTS)])
+        after = await _wait_idle(coord)
+        return coord.aggregate_stats(), before, after, results
+
+    agg, before, after, results = _run(run())
+    assert sum(agg["num_requests_routed"]) == len(PROMPTS)
+    assert all(n > 0 for n in agg["num_requests_routed"])  # both engines got requests
+    # ... and the engines' own stats show it: both computed prompt tokens for this test.
+    assert all(a["num_prompt_tokens"] > b["num_prompt_tokens"] for a, b in zip(after, before))
+    assert agg["num_free_blocks"] == agg["num_total_blocks"]
+
+    offline = LLM(**engine_kwargs)
+    expected = offline.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                SamplingParams(**params), use_tqdm=False)
+    assert results == [e.outputs[0].token_ids for e in expected]
+
+
+def test_prefix_affine_requests_land_on_same_engine(engines):
+    shared = [(11 * k) % 300 + 20 for k in range(4 * BLOCK)]  # four full blocks
+    params = dict(temperature=0, max_tokens=3)
+
+    async def run():
+        coord = DPCoordinator(engines, block_size=BLOCK, seed=2)
+        before = await coord.refresh_stats()
+        for i in range(6):  # sequential: the affinity engine is never much busier than the other
+            await _collect(coord, f"affine-{i}", shared + [i + 1, i + 2, i + 3], params)
+        after = await _wait_idle(coord)
+        return coord.aggregate_stats(), before, after
+
+    agg, before, after = _run(run())
+    routed = agg["num_requests_routed"]
+    assert sorted(routed) == [0, 6]
+    target = routed.index(6)
+    hits = [a["prefix_cache_hits"] - b["prefix_cache_hits"] for a, b in zip(after, before)]
+    assert hits[target] >= 5 * 4 * BLOCK - 5  # requests 2..6 reused the shared blocks on that engine
+    assert hits[1 - target] == 0
+
+
+def test_client_disconnect_aborts_and_frees_blocks(engines):
+    params = dict(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def run():
+        coord = DPCoordinator(engines, block_size=BLOCK)
+        stream = coord.generate("disconnect", PROMPTS[3], params)
+        received = 0
+        async for _ in stream:
+            received += 1
+            if received == 3:
+                break  # the client goes away mid-stream
+        await stream.aclose()
+        stats = await _wait_idle(coord)
+        return received, stats, coord.aggregate_stats()
+
+    received, stats, agg = _run(run())
+    assert received == 3
+    assert agg["num_in_flight"] == 0
+    for s in stats:
+        assert s["num_running"] == 0 and s["num_waiting"] == 0
+        assert s["num_free_blocks"] == s["num_total_blocks"]
+
+
+def test_abort_ends_stream_with_abort_reason(engines):
+    params = dict(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def run():
+        coord = DPCoordinator(engines, block_size=BLOCK)
+        outputs = []
+        async for out in coord.generate("to-abort", PROMPTS[5], params):
+            outputs.append(out)
+            if len(outputs) == 2:
+                await coord.abort("to-abort")
+        return outputs, await _wait_idle(coord)
+
+    outputs, stats = _run(run())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) < 300
+    assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats)
+
+
+def test_bad_request_raises_value_error_and_engines_stay_up(engines):
+    async def run():
+        coord = DPCoordinator(engines, block_size=BLOCK)
+        with pytest.raises(ValueError, match="logprobs"):
+            await _collect(coord, "bad-params", PROMPTS[0], dict(logprobs=1000))
+        with pytest.raises(ValueError, match="prompt"):
+            await _collect(coord, "too-long", [5] * 5000, dict(max_tokens=2))
+        await coord.refresh_stats()
+        return coord.aggregate_stats()
+
+    agg = _run(run())
+    assert agg["num_healthy_engines"] == 2
+
+
+def test_killed_engine_fails_its_requests_others_complete_and_it_restarts(engines):
+    params = dict(temperature=0, max_tokens=120, ignore_eos=True)
+    num_requests = 6
+
+    async def run():
+        coord = DPCoordinator(engines, block_size=BLOCK, stats_interval_s=0.2, seed=3)
+        coord.start()
+        routed: dict[str, int] = {}
+        started = [asyncio.Event() for _ in range(num_requests)]
+
+        async def one(i: int) -> list[int]:
+            tokens: list[int] = []
+            async for out in coord.generate(f"kill-{i}", PROMPTS[i], params):
+                routed.setdefault(f"kill-{i}", coord._requests[f"kill-{i}"])
+                tokens += out.outputs[0].token_ids
+                started[i].set()
+            return tokens
+
+        tasks = [asyncio.create_task(one(i)) for i in range(num_requests)]
+        await asyncio.gather(*[e.wait() for e in started])  # every request is streaming
+        ray.kill(engines[0], no_restart=False)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        routed_while_dead = [coord.choose_engine(p) for p in PROMPTS]
+        # The actor comes back (Ray restarts it) and the coordinator routes to it again.
+        info = await asyncio.to_thread(wait_engines_ready, engines[:1], 180)
+        for _ in range(300):
+            if coord.engines[0].healthy:
+                break
+            await asyncio.sleep(0.1)
+        healthy_again = coord.engines[0].healthy
+        await coord.stop()
+        new_tokens = []
+        async for ref in engines[0].generate.remote("after-restart", {"prompt_token_ids": PROMPTS[0]},
+                                                    dict(temperature=0, max_tokens=4, min_tokens=4)):
+            new_tokens += (await ref).outputs[0].token_ids
+        return routed, results, routed_while_dead, info, healthy_again, new_tokens
+
+    routed, results, routed_while_dead, info, healthy_again, new_tokens = _run(run(), timeout=300)
+    on_killed = [i for i in range(num_requests) if routed[f"kill-{i}"] == 0]
+    on_other = [i for i in range(num_requests) if routed[f"kill-{i}"] == 1]
+    assert on_killed and on_other
+    for i in on_killed:
+        assert isinstance(results[i], EngineDeadError), results[i]
+        assert "engine 0" in str(results[i])
+    for i in on_other:
+        assert isinstance(results[i], list) and len(results[i]) == 120
+    assert routed_while_dead == [1] * len(PROMPTS)  # routed around the dead engine
+    assert info[0]["restarted"] is True and info[0]["engine_index"] == 0
+    assert healthy_again
+    assert len(new_tokens) == 4
