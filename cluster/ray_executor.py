@@ -1,0 +1,75 @@
+"""`RayExecutor`: the engine's executor over a Ray worker group (one actor per TP x PP rank).
+
+The engine selects it by name (`distributed_executor_backend="ray"`, the default when
+tp * pp > 1). With pipeline parallelism it lets the engine keep `pp` batches in flight:
+`execute_model_async` returns at once, and each actor runs its steps in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+
+from cluster.ray_utils import ensure_ray
+from cluster.worker_group import WorkerGroup, WorkerGroupOptions
+from engine.config import EngineConfig
+from engine.executor.base import Executor
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# CPUs reserved per rank (bundle and actor); torch uses as many threads.
+CPUS_PER_WORKER_ENV = "PAGEDSERVE_RAY_CPUS_PER_WORKER"
+
+
+def _cpus_per_worker() -> float:
+    raw = os.environ.get(CPUS_PER_WORKER_ENV, "1")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{CPUS_PER_WORKER_ENV}: expected a number, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{CPUS_PER_WORKER_ENV}: must be positive, got {raw!r}")
+    return value
+
+
+def _use_gpu(config: EngineConfig) -> bool:
+    """GPUs when asked for, or with device="auto" when the cluster (not necessarily this node) has them."""
+    if config.device == "cuda":
+        return True
+    if config.device == "cpu":
+        return False
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        ensure_ray()
+        # Pipeline parallelism: one batch per stage in flight keeps every stage busy.
+        self.max_concurrent_batches = config.pipeline_parallel_size
+        options = WorkerGroupOptions(
+            num_cpus_per_worker=_cpus_per_worker(),
+            use_gpu=_use_gpu(config),
+            strategy=config.placement_group_strategy,
+        )
+        self.group = WorkerGroup(config, options)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.group.call_all(method, args, kwargs)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        return self.group.execute_model_async(scheduler_output)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def check_health(self) -> None:
+        self.group.check_health()
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
