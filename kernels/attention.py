@@ -57,7 +57,9 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of a flat varlen query batch over each sequence's cached prefix plus its new tokens.
 
-    The new tokens' K/V must already be in the cache. Returns [num_tokens, num_heads, head_size].
+    The new tokens' K/V must already be in the cache. query_start_loc may be a slice of the whole
+    batch's offsets (e.g. starting at num_decode_tokens): row 0 of `query` is token query_start_loc[0].
+    Returns [num_tokens, num_heads, head_size].
     """
     check_dim("query", query, 3)
     check_kv_cache(query, key_cache, value_cache)
@@ -70,6 +72,11 @@ def paged_prefill_attention(
         raise ValueError(
             f"query_start_loc length {query_start_loc.shape[0]} must be num_seqs+1 and block_tables rows "
             f"{block_tables.shape[0]} must be num_seqs ({num_seqs})"
+        )
+    if query_start_loc_cpu is not None and query_start_loc_cpu[-1] - query_start_loc_cpu[0] != query.shape[0]:
+        raise ValueError(
+            f"query_start_loc spans {query_start_loc_cpu[-1] - query_start_loc_cpu[0]} tokens but query has "
+            f"{query.shape[0]}"
         )
     if query.is_cuda:
         from kernels.triton.prefill_attention import paged_prefill_attention_triton

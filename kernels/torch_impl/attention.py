@@ -133,7 +133,7 @@ def paged_prefill_attention_torch(
     k_buf = key_cache.new_empty((max_blocks, *key_cache.shape[1:]))
     v_buf = value_cache.new_empty((max_blocks, *value_cache.shape[1:]))
     for i, seq_len in enumerate(lens):
-        q_start, q_end = starts[i], starts[i + 1]
+        q_start, q_end = starts[i] - starts[0], starts[i + 1] - starts[0]
         q_len = q_end - q_start
         if q_len == 0:
             continue

@@ -30,6 +30,7 @@ def _prefill_kernel(
     head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_start -= tl.load(query_start_loc_ptr)  # offsets are relative to the first prefill token
     if m_block * BLOCK_M < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
         prefix = seq_len - q_len

@@ -295,3 +295,21 @@ def test_decode_twin_grouping_is_invisible(sliding_window):
         out = paged_decode_attention_torch(query, batch.key_cache, batch.value_cache, batch.block_tables, lens,
                                            0.125, sliding_window, seq_lens, gather_budget_bytes=budget)
         torch.testing.assert_close(out.double(), ref, **tolerance(torch.float32))
+
+
+def test_prefill_accepts_offsets_sliced_after_decodes():
+    """The runner may pass query_start_loc[num_decodes:] un-rebased with query[num_decode_tokens:]."""
+    seq_lens, q_lens = [30, 12], [6, 12]
+    batch = make_paged_batch(seq_lens, 1, 64, 16, torch.float32, seed=6)
+    query = torch.randn(18, 2, 64)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    args = (query, batch.key_cache, batch.value_cache, batch.block_tables)
+    rebased = kernels.paged_prefill_attention(*args, torch.tensor([0, 6, 18], dtype=torch.int32), lens, 0.125)
+    offset = kernels.paged_prefill_attention(*args, torch.tensor([3, 9, 21], dtype=torch.int32), lens, 0.125,
+                                             query_start_loc_cpu=[3, 9, 21])
+    torch.testing.assert_close(offset, rebased, atol=0, rtol=0)
+    torch.testing.assert_close(rebased.double(), naive_paged_attention(query, batch, [0, 6, 18], 0.125),
+                               **tolerance(torch.float32))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        kernels.paged_prefill_attention(*args, torch.tensor([0, 6, 17], dtype=torch.int32), lens, 0.125,
+                                        query_start_loc_cpu=[0, 6, 17])
