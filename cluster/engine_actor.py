@@ -187,8 +187,11 @@ class EngineActor:
                              self.engine_index)
                 time.sleep(1.0)  # let the in-flight requests receive their EngineDeadError
                 if not self._stopped.is_set():
-                    os._exit(1)
+                    self._on_engine_death()
                 return
+
+    def _on_engine_death(self) -> None:
+        os._exit(1)  # a crash (not a clean exit_actor) so that Ray restarts the actor
 
 
 def start_engine_actors(

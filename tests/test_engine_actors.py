@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
+import threading
 
 import pytest
 
@@ -216,3 +216,58 @@ def test_killed_engine_fails_its_requests_others_complete_and_it_restarts(engine
     assert info[0]["restarted"] is True and info[0]["engine_index"] == 0
     assert healthy_again
     assert len(new_tokens) == 4
+
+
+def test_engine_actor_with_tensor_parallel_worker_group(engines, engine_kwargs):
+    """An engine actor with TP=2 builds its own Ray worker group; greedy output equals the offline run."""
+    tp_engines = start_engine_actors({**engine_kwargs, "tensor_parallel_size": 2}, data_parallel_size=1,
+                                     num_cpus_per_engine=0)
+    try:
+        info = wait_engines_ready(tp_engines, timeout_s=300)[0]
+        assert info["tensor_parallel_size"] == 2
+        params = dict(temperature=0, max_tokens=6, min_tokens=6)
+
+        async def run():
+            coord = DPCoordinator(tp_engines, block_size=BLOCK)
+            return await _collect(coord, "tp2", PROMPTS[4], params)
+
+        tokens = _run(run(), timeout=180)
+    finally:
+        for handle in tp_engines:
+            ray.kill(handle, no_restart=True)
+    expected = LLM(**engine_kwargs).generate([{"prompt_token_ids": PROMPTS[4]}], SamplingParams(**params),
+                                             use_tqdm=False)
+    assert tokens == expected[0].outputs[0].token_ids
+
+
+def test_engine_loop_death_fails_requests_and_triggers_restart(engine_kwargs):
+    """In-process (no Ray): when the engine loop dies, its request fails and the watchdog asks for a restart."""
+    from cluster.engine_actor import EngineActor
+
+    class RecordingActor(EngineActor):
+        died = threading.Event()
+
+        def _on_engine_death(self) -> None:
+            self.died.set()
+
+    actor = RecordingActor(engine_kwargs, engine_index=7)
+
+    def broken_step():
+        raise RuntimeError("simulated device failure")
+
+    actor.engine.engine.step = broken_step
+
+    async def run():
+        async for _ in actor.generate("doomed", {"prompt_token_ids": PROMPTS[0]}, dict(max_tokens=4)):
+            pass
+
+    try:
+        with pytest.raises(EngineDeadError, match="simulated device failure"):
+            _run(run(), timeout=60)
+        assert RecordingActor.died.wait(30)
+        stats = _run(actor.get_stats())
+        assert stats["healthy"] is False and stats["engine_index"] == 7
+        with pytest.raises(EngineDeadError):
+            _run(actor.check_health())
+    finally:
+        actor.shutdown()
