@@ -117,8 +117,9 @@ class Scheduler:
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or stop, e.g. on a stop string) requests wherever they are; frees their blocks."""
-        assert status.is_finished
-        finished = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        if not status.is_finished:
+            raise ValueError(f"status: {status.name} is not a finished status")
+        finished = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
         if not finished:
             return []
         finished_set = set(finished)
@@ -272,7 +273,7 @@ class Scheduler:
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids,
+            finished_req_ids=set(self._finished_req_ids),
         )
         if scheduled:  # an empty output may never reach the workers (pipeline mode): resend the ids
             self._finished_req_ids = set()

@@ -581,11 +581,6 @@ def test_abort_preempted_request() -> None:
     h.assert_drained()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Scheduler.finish_requests does not de-duplicate request_ids: the second copy of an id "
-    "hits `del self.requests[...]` in _free_request and raises KeyError after the first was freed",
-)
 def test_abort_with_duplicate_ids() -> None:
     h = Harness()
     h.add(make_request("A", prompt(6), 4))
