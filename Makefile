@@ -1,0 +1,48 @@
+# pagedserve: every target installs what it needs into .venv first (torch pinned to the CPU build).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve generate test test-slow bench bench-kernels bench-serve train-default-model clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -r requirements-test.txt
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+# The main job: serve the bundled default model over the OpenAI API on http://127.0.0.1:8000/v1
+serve: install
+	$(VENV)/bin/pagedserve serve $(ARGS)
+
+# Offline generation on the bundled default model.
+generate: install
+	$(VENV)/bin/pagedserve generate --prompt 'def fibonacci(n):' $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+# The slow tests that the default run leaves out.
+test-slow: install
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+# Offline throughput against HF transformers (issue 2): small and medium models, bf16.
+bench: install
+	$(PY) benchmarks/throughput.py $(ARGS)
+
+bench-kernels: install
+	$(PY) benchmarks/kernels.py $(ARGS)
+
+bench-serve: install
+	$(PY) benchmarks/serve.py --start-server $(ARGS)
+
+train-default-model: install
+	$(PY) training/train.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
