@@ -160,14 +160,20 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _check_prompt(cls, v: PromptInput) -> PromptInput:
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be an empty list")
-        if isinstance(v, list) and any(isinstance(p, list) and not p for p in v):
-            raise ValueError("prompt must not contain an empty token list")
-        return v
+    def _check_prompt(cls, v: Any) -> Any:
+        """One clear message instead of pydantic's per-union-member errors."""
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or is_ids(v)
+                                          or all(is_ids(p) for p in v)):
+            return v
+        raise ValueError("expected a string, a list of strings, a list of token ids, or a list of token-id lists "
+                         "(all non-empty)")
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> "CompletionRequest":

@@ -98,13 +98,30 @@ def _msg(error: dict) -> str:
     return str(error.get("msg", "")).removeprefix("Value error, ")
 
 
+def _error_param(error: dict) -> str | None:
+    """A pydantic error's field: its location, else (model-level checks) the message's 'field:' prefix."""
+    param = _loc_param(tuple(error.get("loc", ())))
+    if param is not None:
+        param = param.split(".")[0]  # the top-level request field
+    else:
+        match = _FIELD_PREFIX.match(_msg(error))
+        param = match.group(1) if match else None
+    return param
+
+
+def _errors_message(errors: list[dict]) -> str:
+    parts = []
+    for e in errors:
+        loc = _loc_param(tuple(e.get("loc", ())))
+        parts.append(f"{loc}: {_msg(e)}" if loc else _msg(e))
+    return "; ".join(parts) or "invalid request"
+
+
 def bad_request(exc: Exception) -> APIError:
     """400 from a ValueError: the field comes from a pydantic error's location or a 'field: ...' message."""
     if isinstance(exc, ValidationError):
         errors = exc.errors()
-        param = _loc_param(errors[0]["loc"]) if errors else None
-        message = "; ".join(f"{_loc_param(e['loc']) or 'body'}: {_msg(e)}" for e in errors)
-        return APIError(400, message, param=param)
+        return APIError(400, _errors_message(errors), param=_error_param(errors[0]) if errors else None)
     message = str(exc)
     match = _FIELD_PREFIX.match(message)
     return APIError(400, message, param=match.group(1) if match else None)
@@ -153,7 +170,9 @@ def completion_logprobs(output: CompletionOutput, num: int, text_offset: int, to
         token = _token_text(sampled, token_id, tokenizer)
         result.tokens.append(token)
         result.token_logprobs.append(_clamp(sampled.logprob) if sampled is not None else MIN_LOGPROB)
-        top = {_token_text(lp, tid, tokenizer): _clamp(lp.logprob) for tid, lp in _top_entries(position, num)}
+        top: dict[str, float] = {}
+        for tid, lp in _top_entries(position, num):  # by rank: tokens that decode alike keep the best logprob
+            top.setdefault(_token_text(lp, tid, tokenizer), _clamp(lp.logprob))
         result.top_logprobs.append(top if num > 0 else None)
         result.text_offset.append(text_offset)
         text_offset += len(token)
@@ -626,11 +645,9 @@ def build_fastapi_app(serving: OpenAIServing) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        param = _loc_param(tuple(errors[0].get("loc", ()))) if errors else None
-        message = "; ".join(f"{_loc_param(tuple(e.get('loc', ()))) or 'body'}: {_msg(e)}" for e in errors)
+        errors = list(exc.errors())
         serving.metrics.observe_error(400)
-        return APIError(400, message or "invalid request", param=param).response()
+        return APIError(400, _errors_message(errors), param=_error_param(errors[0]) if errors else None).response()
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
