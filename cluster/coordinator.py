@@ -14,8 +14,8 @@ answer again from the restarted actor.
 Additions to the agreed API (all optional keywords): `DPCoordinator(..., kv_weight=4.0,
 stats_timeout_s=5.0, max_affinity_entries=65536)`. `start()` may be called outside a running event
 loop; polling then begins with the first `generate` call. Cumulative counters in
-`aggregate_stats()` stay monotonic across actor restarts (a restarted engine's counters are added
-to what it had counted before).
+`aggregate_stats()` stay monotonic across actor restarts (a restarted engine's counters, told apart
+by the "incarnation" in its stats, are added to what it had counted before).
 """
 
 from __future__ import annotations
@@ -247,17 +247,21 @@ class DPCoordinator:
         if not state.available:
             logger.info("engine %d answers again; routing to it", state.index)
         state.available = True
-        self._update_counters(state, stats)
-        state.stats = stats
+        self._update_stats(state, stats)
         return {**stats, "reachable": True}
 
     @staticmethod
-    def _update_counters(state: EngineState, stats: dict) -> None:
+    def _update_stats(state: EngineState, stats: dict) -> None:
+        """Keep the newest answer; a new incarnation (restarted actor) counts from zero on top of the old totals."""
+        previous = state.stats
+        restarted = previous is not None and stats.get("incarnation") != previous.get("incarnation")
+        if previous is not None and not restarted and stats.get("stats_time", 0.0) < previous.get("stats_time", 0.0):
+            return  # an older answer that arrived late (concurrent polls)
         for key in COUNTER_KEYS:
-            value = int(stats.get(key, 0))
-            if value < state.last_counters[key]:  # the actor restarted and counts from zero again
+            if restarted:
                 state.counter_base[key] += state.last_counters[key]
-            state.last_counters[key] = value
+            state.last_counters[key] = int(stats.get(key, 0))
+        state.stats = stats
 
     def aggregate_stats(self) -> dict:
         """Summed counters and gauges over engines, mean KV usage, and a per-engine list."""

@@ -15,6 +15,7 @@ Additions to the agreed API (all optional keywords):
 - `wait_engines_ready(engines, timeout_s=None) -> list[dict]`: block until every actor's `ready()` answers.
 - `EngineActor.abort` ends that request's `generate` stream with one final output whose
   `finish_reason` is "abort" (the engine itself emits nothing for an aborted request).
+- `get_stats()` also returns "num_unfinished", "incarnation" (new on every actor (re)start) and "stats_time".
 - `ready()` also returns "max_num_seqs", "max_num_batched_tokens", "model", "served_model_name",
   "tensor_parallel_size", "pipeline_parallel_size", "pid" and "restarted" (True after a Ray restart).
 """
@@ -26,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import AsyncIterator
 from typing import Any
@@ -83,6 +85,8 @@ class EngineActor:
         stall_timeout_s: float = 120.0,
     ) -> None:
         self.engine_index = engine_index
+        # Identifies this incarnation of the actor: a restarted actor's counters start again from zero.
+        self.incarnation = uuid.uuid4().hex
         self.engine = AsyncLLM(EngineConfig(**engine_kwargs), max_pending_requests=max_pending_requests,
                                stall_timeout_s=stall_timeout_s)
         # request_id -> set by abort() to end that request's generate() stream.
@@ -167,7 +171,10 @@ class EngineActor:
         out.update({key: getattr(stats.scheduler, key) for key in _SCHEDULER_KEYS})
         out["num_unfinished"] = stats.num_unfinished
         out["healthy"] = stats.healthy
-        out["last_step_age_s"] = max(0.0, time.monotonic() - stats.last_step_time)
+        now = time.monotonic()
+        out["last_step_age_s"] = max(0.0, now - stats.last_step_time)
+        out["incarnation"] = self.incarnation
+        out["stats_time"] = now  # orders answers of one incarnation (concurrent polls may arrive out of order)
         return out
 
     async def check_health(self) -> None:

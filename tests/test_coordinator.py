@@ -19,7 +19,7 @@ def _stats(index: int, running: int = 0, waiting: int = 0, usage: float = 0.0, h
     base = dict(engine_index=index, num_running=running, num_waiting=waiting, kv_cache_usage=usage,
                 num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, num_free_blocks=100,
                 num_total_blocks=100, num_prompt_tokens=0, num_generation_tokens=0, healthy=healthy,
-                last_step_age_s=0.0)
+                last_step_age_s=0.0, incarnation="first", stats_time=0.0)
     base.update(extra)
     return base
 
@@ -274,7 +274,7 @@ def test_refresh_stats_marks_dead_and_recovers_and_counters_stay_monotonic():
         polled = await coord.refresh_stats()
         during = (coord.aggregate_stats(), coord.is_healthy(), polled)
         engines[0].die_after = None  # restarted: counters start again from zero
-        engines[0].stats = _stats(0, running=0, num_generation_tokens=10)
+        engines[0].stats = _stats(0, running=0, num_generation_tokens=10, incarnation="second")
         await coord.refresh_stats()
         return first, during, coord.aggregate_stats()
 
@@ -313,3 +313,17 @@ def test_background_polling_starts_and_stops():
         return coord.aggregate_stats()
 
     assert asyncio.run(run())["num_waiting"] == 7
+
+
+def test_late_stale_stats_answer_is_ignored():
+    coord, engines = _coordinator(1)
+
+    async def run():
+        engines[0].stats = _stats(0, running=2, num_generation_tokens=105, stats_time=2.0)
+        await coord.refresh_stats()
+        engines[0].stats = _stats(0, running=5, num_generation_tokens=100, stats_time=1.0)  # sent earlier
+        await coord.refresh_stats()
+        return coord.aggregate_stats()
+
+    agg = asyncio.run(run())
+    assert agg["num_generation_tokens"] == 105 and agg["num_running"] == 2
