@@ -7,7 +7,6 @@ tp * pp > 1). With pipeline parallelism it lets the engine keep `pp` batches in 
 
 from __future__ import annotations
 
-import logging
 import os
 from concurrent.futures import Future
 from typing import Any
@@ -20,7 +19,6 @@ from engine.config import EngineConfig
 from engine.executor.base import Executor
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
-logger = logging.getLogger(__name__)
 
 # CPUs reserved per rank (bundle and actor); torch uses as many threads.
 CPUS_PER_WORKER_ENV = "PAGEDSERVE_RAY_CPUS_PER_WORKER"

@@ -11,6 +11,7 @@ removes its placement group, and reports the first failure, naming the rank.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -83,8 +84,6 @@ class WorkerActor:
         self.worker = None
 
     def node_info(self) -> tuple[str, int, str]:
-        import os
-
         return node_ip(), os.getpid(), ray.get_runtime_context().get_actor_id()
 
     def rendezvous_address(self) -> str:
@@ -103,7 +102,7 @@ class WorkerActor:
             return method(self.worker, *args, **kwargs)
         return getattr(self.worker, method)(*args, **kwargs)
 
-    def execute_model(self, scheduler_output):
+    def execute_model(self, scheduler_output: Any) -> Any:
         # The hot path: a direct method, no name lookup through execute_method.
         return self.worker.execute_model(scheduler_output)
 

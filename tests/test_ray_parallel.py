@@ -9,7 +9,6 @@ rank, and the group's actors and placement group are gone afterwards.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
@@ -34,10 +33,11 @@ ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 def local_ray():
     if ray.is_initialized():
         ray.shutdown()
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")  # only because this test starts its own local Ray
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
 
 
 def make_llm(path, tp: int, pp: int, **kw) -> LLM:
@@ -217,3 +217,45 @@ def test_raising_worker_fails_the_call_and_shuts_the_group_down(tiny_model_facto
     assert_group_released(pg, actors)
     with pytest.raises(RuntimeError, match="earlier failure"):
         executor_of(llm).check_health()
+
+
+# ---- small pieces ----------------------------------------------------------------------------
+
+
+def test_ensure_ray_reuses_the_running_session():
+    from cluster.ray_utils import ensure_ray
+
+    job = ray.get_runtime_context().get_job_id()
+    ensure_ray(num_cpus=1)
+    assert ray.get_runtime_context().get_job_id() == job
+    assert ray.cluster_resources()["CPU"] == 4
+
+
+def test_bad_group_options_name_the_field(monkeypatch):
+    from cluster.ray_executor import CPUS_PER_WORKER_ENV, _cpus_per_worker
+    from cluster.worker_group import WorkerGroupOptions
+
+    with pytest.raises(ValueError, match="num_cpus_per_worker"):
+        WorkerGroupOptions(num_cpus_per_worker=0)
+    with pytest.raises(ValueError, match="placement_group_strategy"):
+        WorkerGroupOptions(strategy="RANDOM")
+    with pytest.raises(ValueError, match="placement_timeout_s"):
+        WorkerGroupOptions(placement_timeout_s=0)
+    monkeypatch.setenv(CPUS_PER_WORKER_ENV, "two")
+    with pytest.raises(ValueError, match=CPUS_PER_WORKER_ENV):
+        _cpus_per_worker()
+    monkeypatch.setenv(CPUS_PER_WORKER_ENV, "2")
+    assert _cpus_per_worker() == 2.0
+
+
+def test_placement_group_that_cannot_be_placed_is_removed(tiny_model_factory):
+    from cluster.worker_group import WorkerGroup, WorkerGroupOptions
+    from engine.config import EngineConfig
+
+    config = EngineConfig(model=str(tiny_model_factory("llama")), tensor_parallel_size=2).resolve()
+    before = {pg_id for pg_id, info in placement_group_table().items() if info["state"] != "REMOVED"}
+    # Two bundles of 3 CPUs do not fit a 4-CPU cluster.
+    with pytest.raises(RuntimeError, match="placement group: the cluster did not offer 2 bundles"):
+        WorkerGroup(config, WorkerGroupOptions(num_cpus_per_worker=3, placement_timeout_s=2))
+    after = {pg_id for pg_id, info in placement_group_table().items() if info["state"] != "REMOVED"}
+    assert after == before
