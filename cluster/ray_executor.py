@@ -7,7 +7,6 @@ tp * pp > 1). With pipeline parallelism it lets the engine keep `pp` batches in 
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future
 from typing import Any
 
@@ -18,21 +17,6 @@ from cluster.worker_group import WorkerGroup, WorkerGroupOptions
 from engine.config import EngineConfig
 from engine.executor.base import Executor
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-
-
-# CPUs reserved per rank (bundle and actor); torch uses as many threads.
-CPUS_PER_WORKER_ENV = "PAGEDSERVE_RAY_CPUS_PER_WORKER"
-
-
-def _cpus_per_worker() -> float:
-    raw = os.environ.get(CPUS_PER_WORKER_ENV, "1")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{CPUS_PER_WORKER_ENV}: expected a number, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{CPUS_PER_WORKER_ENV}: must be positive, got {raw!r}")
-    return value
 
 
 def _use_gpu(config: EngineConfig) -> bool:
@@ -51,7 +35,7 @@ class RayExecutor(Executor):
         # Pipeline parallelism: one batch per stage in flight keeps every stage busy.
         self.max_concurrent_batches = config.pipeline_parallel_size
         options = WorkerGroupOptions(
-            num_cpus_per_worker=_cpus_per_worker(),
+            num_cpus_per_worker=config.num_cpus_per_worker,
             use_gpu=_use_gpu(config),
             strategy=config.placement_group_strategy,
         )

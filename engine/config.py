@@ -76,6 +76,7 @@ class EngineConfig(BaseModel):
     pipeline_parallel_size: int = Field(default=1, ge=1)
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    num_cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per Ray worker rank.")
     kv_transfer_config: dict[str, Any] | None = None
 
     # Resolved from the HF config by `resolve()`; not user input.

@@ -231,9 +231,9 @@ def test_ensure_ray_reuses_the_running_session():
     assert ray.cluster_resources()["CPU"] == 4
 
 
-def test_bad_group_options_name_the_field(monkeypatch):
-    from cluster.ray_executor import CPUS_PER_WORKER_ENV, _cpus_per_worker
+def test_bad_group_options_name_the_field(tiny_model_factory):
     from cluster.worker_group import WorkerGroupOptions
+    from engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="num_cpus_per_worker"):
         WorkerGroupOptions(num_cpus_per_worker=0)
@@ -241,11 +241,8 @@ def test_bad_group_options_name_the_field(monkeypatch):
         WorkerGroupOptions(strategy="RANDOM")
     with pytest.raises(ValueError, match="placement_timeout_s"):
         WorkerGroupOptions(placement_timeout_s=0)
-    monkeypatch.setenv(CPUS_PER_WORKER_ENV, "two")
-    with pytest.raises(ValueError, match=CPUS_PER_WORKER_ENV):
-        _cpus_per_worker()
-    monkeypatch.setenv(CPUS_PER_WORKER_ENV, "2")
-    assert _cpus_per_worker() == 2.0
+    with pytest.raises(ValueError, match="num_cpus_per_worker"):
+        EngineConfig(model=str(tiny_model_factory("llama")), num_cpus_per_worker=0)
 
 
 def test_placement_group_that_cannot_be_placed_is_removed(tiny_model_factory):
