@@ -83,7 +83,12 @@ class EngineCore:
         if not self._batch_queue:
             return []
         scheduler_output, future = self._batch_queue.popleft()
-        return self.scheduler.update_from_output(scheduler_output, future.result())
+        try:
+            runner_output = future.result()
+        except BaseException:
+            self._batch_queue.clear()  # the executor failed: later batches will not come back either
+            raise
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
