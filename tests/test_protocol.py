@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -18,6 +19,8 @@ from cluster.protocol import (
 )
 from cluster.serve_app import MIN_LOGPROB, bad_request, chat_logprobs, completion_logprobs, sse
 from engine.outputs import CompletionOutput, Logprob
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _loc(exc: ValidationError) -> str:
@@ -278,3 +281,64 @@ def test_metrics_scrape_survives_a_failing_stats_source():
 def test_token_buckets():
     assert token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert token_buckets(7) == [1, 2, 5]
+
+
+# --------------------------------------------------------------------------- deployment entry points
+
+
+def test_serve_config_yaml_is_valid(tiny_llama):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.serve_app import build_app
+
+    config = yaml.safe_load((ROOT / "manifests" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    app = schema.applications[0]
+    assert app.import_path == "cluster.serve_app:build_app" and app.route_prefix == "/"
+    args = ServeArgs.model_validate({**app.args, "model": str(tiny_llama)})  # the builder's validation
+    assert args.model_name == "pagedserve-default"
+    assert build_app({**app.args, "model": str(tiny_llama)}) is not None
+    with pytest.raises(ValidationError):
+        build_app({**app.args, "model": str(tiny_llama), "block_size": 12})
+
+
+def test_cli_serve_end_to_end(tiny_llama, tmp_path):
+    """`pagedserve serve` on its own local Ray: progress, the URL when ready, a request, SIGTERM shutdown."""
+    import os
+    import queue
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+
+    from cluster.ray_utils import free_port
+
+    port = free_port()
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", str(tiny_llama), "--port", str(port), "--dtype", "float32",
+           "--kv-cache-memory", "16MiB", "--block-size", "4", "--served-model-name", "tiny", "--api-key", "k"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen: list[str] = []
+    try:
+        while not any(line.startswith("pagedserve: ready at") for line in seen):
+            try:
+                seen.append(lines.get(timeout=240))
+            except queue.Empty:
+                pytest.fail("no 'ready' line; output:\n" + "".join(seen))
+            assert proc.poll() is None, "".join(seen)
+        assert any("KV blocks" in line for line in seen), "".join(seen)
+        assert f"http://127.0.0.1:{port}/v1" in seen[-1]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, headers={"Authorization": "Bearer k"},
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
