@@ -54,8 +54,13 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     query_start_loc_cpu: list[int] | None = None,
     seq_lens_cpu: list[int] | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen query batch over each sequence's cached prefix plus its new tokens.
+
+    `key`/`value` optionally repeat the new tokens' K/V ([num_tokens, num_kv_heads, head_size]); the CPU
+    path uses them to skip the cache gather for sequences with no cached prefix.
 
     The new tokens' K/V must already be in the cache. query_start_loc may be a slice of the whole
     batch's offsets (e.g. starting at num_decode_tokens): row 0 of `query` is token query_start_loc[0].
@@ -87,5 +92,5 @@ def paged_prefill_attention(
         )
     return paged_prefill_attention_torch(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-        sliding_window, query_start_loc_cpu, seq_lens_cpu,
+        sliding_window, query_start_loc_cpu, seq_lens_cpu, key, value,
     )

@@ -73,9 +73,11 @@ class Attention(nn.Module):
         if kv_hooks is not None:
             kv_hooks.wait_for_layer_load(self.kv_cache_idx)
         query = q.view(num_tokens, self.num_heads, self.head_size)
+        key = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        value = v.view(num_tokens, self.num_kv_heads, self.head_size)
         kernels.reshape_and_cache(
-            k.view(num_tokens, self.num_kv_heads, self.head_size),
-            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            key,
+            value,
             key_cache,
             value_cache,
             md.slot_mapping,
@@ -108,6 +110,8 @@ class Attention(nn.Module):
                 sliding_window=self.sliding_window,
                 query_start_loc_cpu=[x - nd for x in md.query_start_loc_cpu[nd_seqs:]],
                 seq_lens_cpu=md.seq_lens_cpu[nd_seqs:],
+                key=key[nd:end],
+                value=value[nd:end],
             )
         if kv_hooks is not None:
             kv_hooks.save_layer(self.kv_cache_idx, key_cache, value_cache, md)

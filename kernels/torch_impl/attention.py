@@ -119,7 +119,12 @@ def paged_prefill_attention_torch(
     sliding_window: int | None = None,
     query_start_loc_cpu: list[int] | None = None,
     seq_lens_cpu: list[int] | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`key`/`value` ([num_tokens, Hkv, D], the rows just written to the cache) are optional: a sequence
+    with no cached prefix then attends over them directly with SDPA's causal kernel, skipping the
+    gather and the explicit mask (the common whole-prompt prefill)."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -137,10 +142,16 @@ def paged_prefill_attention_torch(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _gather_context(key_cache, block_tables[i], seq_len, k_buf).transpose(0, 1)  # [Hkv, L, D]
-        v = _gather_context(value_cache, block_tables[i], seq_len, v_buf).transpose(0, 1)
         # [q_len, H, D] -> [Hkv, G*q_len, D]: each KV head serves its G query heads without repeating K/V.
         q = query[q_start:q_end].view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+        if key is not None and seq_len == q_len and (sliding_window is None or seq_len <= sliding_window):
+            k = key[q_start:q_end].transpose(0, 1).unsqueeze(1)  # [Hkv, 1, L, D]
+            v = value[q_start:q_end].transpose(0, 1).unsqueeze(1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # [Hkv, G, L, D]
+            out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size)
+            continue
+        k = _gather_context(key_cache, block_tables[i], seq_len, k_buf).transpose(0, 1)  # [Hkv, L, D]
+        v = _gather_context(value_cache, block_tables[i], seq_len, v_buf).transpose(0, 1)
         q = q.reshape(num_kv_heads, group * q_len, head_size)
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = _key_mask(torch.arange(seq_len, device=query.device)[None, :], query_pos[:, None], sliding_window)

@@ -64,19 +64,30 @@ def test_decode_twin_sliding_window(with_cpu_lens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sliding_window", [None, 9])
-def test_prefill_twin_matches_naive(dtype, sliding_window):
-    # (context after step, new tokens): full prompt, chunk after a cached prefix, single token, prefix-cache hit.
-    seq_lens, q_lens = [20, 50, 7, 33], [20, 18, 1, 5]
+@pytest.mark.parametrize("sliding_window", [None, 9, 64])
+@pytest.mark.parametrize("pass_new_kv", [False, True])
+def test_prefill_twin_matches_naive(dtype, sliding_window, pass_new_kv):
+    # (context after step, new tokens): full prompt, chunk after a cached prefix, single token, prefix-cache hit,
+    # and a second whole prompt (with pass_new_kv, whole prompts attend over the new K/V without a gather).
+    seq_lens, q_lens = [20, 50, 7, 33, 12], [20, 18, 1, 5, 12]
     batch = make_paged_batch(seq_lens, 2, 64, 16, dtype, seed=3)
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
     query = torch.randn(starts[-1], 8, 64).to(dtype)
+    new_kv = {}
+    if pass_new_kv:  # the rows the step just wrote: the last q_len positions of each sequence
+        from kernels_testutil import dense_context
+
+        keys, values = [], []
+        for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+            keys.append(dense_context(batch.key_cache, batch.block_tables[i], seq_len)[seq_len - q_len:])
+            values.append(dense_context(batch.value_cache, batch.block_tables[i], seq_len)[seq_len - q_len:])
+        new_kv = {"key": torch.cat(keys).to(dtype), "value": torch.cat(values).to(dtype)}
     out = kernels.paged_prefill_attention(
         query, batch.key_cache, batch.value_cache, batch.block_tables,
         torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 0.125,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, **new_kv,
     )
     ref = naive_paged_attention(query, batch, starts, 0.125, sliding_window)
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
