@@ -62,7 +62,6 @@ class OpenAIRequest(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(OpenAIRequest):

@@ -404,14 +404,23 @@ class OpenAIServing:
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
+    async def _admitted(self, stream: AsyncIterator) -> AsyncIterator:
+        """Holds one admission slot until the stream is exhausted, fails or is closed (also by garbage
+        collection of a started generator, e.g. when a client leaves before its SSE body starts)."""
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self.release()
+            await stream.aclose()  # type: ignore[attr-defined]
+
     async def _run(self, request: SamplingRequest, request_id: str, prompts: list[EncodedPrompt],
                    params: list[dict], stream_fn: Callable, collect_fn: Callable) -> Response:
         """Admit, start the streams, and answer as SSE (after the first output, so early errors keep
         their status code) or as one JSON body."""
         self.admit()
         timers = [RequestTimer(self.metrics, len(p.token_ids)) for p in prompts]
-        outputs = self._streams(request_id, prompts, params, request.priority, timers)
-        released = False
+        outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers))
         try:
             try:
                 first = await outputs.__anext__()
@@ -419,9 +428,6 @@ class OpenAIServing:
                 raise APIError(500, "the engine returned no output", type="internal_server_error") from None
             if not request.stream:
                 return JSONResponse((await collect_fn(first, outputs)).model_dump())
-            released = True
-            return StreamingResponse(self._sse_guard(stream_fn(first, outputs), outputs),
-                                     media_type="text/event-stream")
         except BaseException as exc:
             await outputs.aclose()
             if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
@@ -429,9 +435,7 @@ class OpenAIServing:
             error = engine_error(exc)
             self.metrics.observe_error(error.status)
             raise error from None
-        finally:
-            if not released:
-                self.release()
+        return StreamingResponse(self._sse_guard(stream_fn(first, outputs), outputs), media_type="text/event-stream")
 
     async def _sse_guard(self, events: AsyncIterator[str], outputs: AsyncIterator) -> AsyncIterator[str]:
         """Stream events; an error becomes an error event then [DONE]; a disconnect closes (aborts) the requests."""
@@ -444,7 +448,6 @@ class OpenAIServing:
             yield sse(ErrorResponse(error=error.info).model_dump())
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
-            self.release()
         yield sse("[DONE]")
 
     # ---------------------------------------------------------------- completions
@@ -638,6 +641,7 @@ def _usage(prompts: list[EncodedPrompt], completion_tokens: int) -> UsageInfo:
 def build_fastapi_app(serving: OpenAIServing) -> FastAPI:
     """Routes, error handlers and the API key check around one `OpenAIServing`."""
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving", docs_url=None, redoc_url=None)
+    app.state.serving = serving
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -401,14 +401,18 @@ def test_overload_is_503_with_retry_after(make_app):
     assert second.status_code == 503
     assert second.headers["retry-after"] == "1"
     assert second.json()["error"]["code"] == "overloaded"
+    assert app.state.serving.num_in_flight == 0  # every admission slot is given back
 
 
 def test_engine_errors_map_to_status(make_app):
     from engine.async_llm import EngineDeadError, EngineOverloadedError
 
     async def post(coordinator, **body):
-        async with _asgi_client(make_app(coordinator)) as c:
-            return await c.post("/v1/completions", json={"prompt": "a", **body})
+        app = make_app(coordinator)
+        async with _asgi_client(app) as c:
+            response = await c.post("/v1/completions", json={"prompt": "a", **body})
+        assert app.state.serving.num_in_flight == 0
+        return response
 
     r = asyncio.run(post(ScriptedCoordinator(fail_at_start=EngineOverloadedError("full"))))
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -424,6 +428,7 @@ def test_engine_errors_map_to_status(make_app):
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_dead"
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == ["t0 ", "t1 "]
+    assert len(coordinator.aborted) == 1  # the failed stream was closed, not left running
 
 
 def test_health_reflects_stalled_engine(make_app):
