@@ -419,6 +419,8 @@ class OpenAIServing:
         """Admit, start the streams, and answer as SSE (after the first output, so early errors keep
         their status code) or as one JSON body."""
         self.admit()
+        if request.user:
+            logger.info("%s: user %r", request_id, request.user)
         timers = [RequestTimer(self.metrics, len(p.token_ids)) for p in prompts]
         outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers))
         try:
