@@ -49,7 +49,10 @@ def _model_section(title: str, model_dir: Path) -> str:
         lines.append(f"| greedy top-1 agreement with the target | {agree['fraction']:.1%} of positions on {agree['windows']} held-out windows (a proxy for the greedy speculative acceptance rate) |")
     lines += [
         "",
-        f"Command that ran: `{train['command']}`  ",
+        "Commands that ran (in order; later ones resumed the run):",
+        "",
+        *[f"    {c}" for c in train["commands"]],
+        "",
         f"Same data order and a step-based schedule of the same length: `{train['reproduce']}`",
         "",
         f"Greedy continuation of `{ev['greedy_prompt']}` (HF `generate`, float32):",
@@ -114,7 +117,7 @@ runs, from a clean checkout (`training/README.md`):
 
 ```
 python -m training.train --model target --out assets/default-model --max-minutes 32 --threads 2 --batch-size 8
-python -m training.train --model draft --out assets/draft-model --max-minutes 7 --threads 2 --batch-size 8 --lr 3e-3
+python -m training.train --model draft --out assets/draft-model --max-minutes 14 --threads 1 --batch-size 8 --lr 3e-3
 python -m training.evaluate assets/default-model assets/draft-model --draft assets/draft-model
 python -m training.model_card --target assets/default-model --draft assets/draft-model --out assets/MODEL_CARD.md
 ```

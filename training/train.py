@@ -13,7 +13,7 @@ the budget and still decays to the floor. The step count it reached is recorded
 in ``training_stats.json``; ``--steps`` with that count repeats the run's data
 order and a step-based cosine of the same length. A checkpoint is written every
 ``--ckpt-minutes``; ``--resume`` continues from it with the same schedule,
-data order and elapsed time.
+data order and elapsed time (``--resume --max-minutes M`` changes a time budget).
 """
 from __future__ import annotations
 
@@ -74,11 +74,12 @@ def ensure_tokenizer(tokenizer_dir: Path, vocab_size: int) -> None:
     save_tokenizer(train_tokenizer(load_split("train"), vocab_size), tokenizer_dir)
 
 
-def save_checkpoint(path: Path, model, opt, cfg: RunConfig, step: int, tokens: int, elapsed: float, losses: list[float]) -> None:
+def save_checkpoint(path: Path, model, opt, cfg: RunConfig, step: int, tokens: int, elapsed: float,
+                    losses: list[float], commands: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "cfg": asdict(cfg), "step": step,
-                "tokens": tokens, "elapsed": elapsed, "losses": losses}, tmp)
+                "tokens": tokens, "elapsed": elapsed, "losses": losses, "commands": commands}, tmp)
     tmp.replace(path)
 
 
@@ -149,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                         lr=args.lr, min_lr_ratio=0.1, warmup_steps=args.warmup_steps,
                         weight_decay=args.weight_decay, total_steps=max(args.steps, 0),
                         max_minutes=args.max_minutes if args.steps <= 0 else 0.0)
+    if state is not None and args.max_minutes > 0:
+        if cfg.total_steps > 0:
+            raise SystemExit("--max-minutes: this run has a step-based schedule; it cannot be given a time budget")
+        # Extending (or shortening) a time budget on resume stretches the rest of the cosine.
+        print(f"time budget {cfg.max_minutes:g} -> {args.max_minutes:g} minutes", flush=True)
+        cfg.max_minutes = args.max_minutes
     if cfg.model != args.model:
         raise SystemExit(f"--model: checkpoint is for {cfg.model!r}, not {args.model!r}")
 
@@ -161,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     step, tokens, elapsed_before, losses = 0, 0, 0.0, []
+    command = "python -m training.train " + " ".join(argv if argv is not None else sys.argv[1:])
+    commands = [command]  # every invocation of this run, resumes included
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, tokens, elapsed_before, losses = state["step"], state["tokens"], state["elapsed"], state["losses"]
+        commands = state.get("commands", []) + [command]
         print(f"resumed at step {step}/{cfg.total_steps}", flush=True)
     print(f"{cfg.model}: {n_params / 1e6:.2f}M params, threads={torch.get_num_threads()}", flush=True)
 
@@ -207,19 +217,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"tokens {tokens:,} elapsed {elapsed / 60:.1f}m eta {eta / 60:.1f}m", flush=True)
             window_loss, window_t = [], now
         if time.monotonic() - last_ckpt > args.ckpt_minutes * 60:
-            save_checkpoint(ckpt_path, model, opt, cfg, step, tokens, elapsed_before + time.monotonic() - start, losses)
+            save_checkpoint(ckpt_path, model, opt, cfg, step, tokens, elapsed_before + time.monotonic() - start, losses, commands)
             last_ckpt = time.monotonic()
             print(f"checkpoint at step {step} -> {ckpt_path}", flush=True)
 
     elapsed = elapsed_before + time.monotonic() - start
-    save_checkpoint(ckpt_path, model, opt, cfg, step, tokens, elapsed, losses)
+    save_checkpoint(ckpt_path, model, opt, cfg, step, tokens, elapsed, losses, commands)
     export(model, tokenizer, args.tokenizer_dir, args.out)
     stats = {
         "model": cfg.model, "parameters": n_params, "steps": step, "tokens_seen": tokens,
         "train_tokens_in_corpus": int(len(stream)), "epochs": tokens / len(stream),
         "final_train_loss": losses[-1] if losses else None, "wall_minutes": round(elapsed / 60, 1),
         "threads": torch.get_num_threads(), "run_config": asdict(cfg),
-        "command": "python -m training.train " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commands": commands,
         "reproduce": f"python -m training.train --model {cfg.model} --out {args.out} --steps {step} "
                      f"--seed {cfg.seed} --batch-size {cfg.batch_size} --seq-len {cfg.seq_len} --lr {cfg.lr} "
                      f"--warmup-steps {cfg.warmup_steps} --weight-decay {cfg.weight_decay}",
