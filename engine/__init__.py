@@ -1,8 +1,12 @@
 """pagedserve's engine: `LLM` (offline), `AsyncLLM` (serving), and their types."""
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.logging_setup import configure_logging
+
+configure_logging()
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
