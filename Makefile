@@ -41,8 +41,12 @@ bench-kernels: install
 bench-serve: install
 	$(PY) benchmarks/serve.py --start-server $(ARGS)
 
+# Retrain the bundled models from the stdlib (see assets/MODEL_CARD.md); about an hour on 2 idle cores.
 train-default-model: install
-	$(PY) training/train.py $(ARGS)
+	$(PY) -m training.train --model target --out assets/default-model --steps 4200 --threads 2 --batch-size 8
+	$(PY) -m training.train --model draft --out assets/draft-model --steps 1596 --threads 1 --batch-size 8 --lr 3e-3
+	$(PY) -m training.evaluate assets/default-model assets/draft-model --draft assets/draft-model
+	$(PY) -m training.model_card --target assets/default-model --draft assets/draft-model --out assets/MODEL_CARD.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

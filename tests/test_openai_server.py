@@ -367,7 +367,8 @@ class ScriptedCoordinator:
 
 @pytest.fixture()
 def make_app(tiny_llama):
-    from cluster.serve_app import OpenAIServing, build_fastapi_app
+    from cluster.openai_serving import OpenAIServing
+    from cluster.serve_app import build_fastapi_app
     from engine.processor import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_llama))

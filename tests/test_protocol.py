@@ -17,7 +17,7 @@ from cluster.protocol import (
     ServeArgs,
     TokenizeRequest,
 )
-from cluster.serve_app import MIN_LOGPROB, bad_request, chat_logprobs, completion_logprobs, sse
+from cluster.openai_serving import MIN_LOGPROB, bad_request, chat_logprobs, completion_logprobs, sse
 from engine.outputs import CompletionOutput, Logprob
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,6 @@ from engine.sampler import (
     Sampler,
     SamplingState,
     compute_prompt_logprobs,
-    make_generator,
 )
 from engine.sampling_params import SamplingParams
 

@@ -310,7 +310,7 @@ def test_decode_twin_grouping_is_invisible(sliding_window):
 
 def test_prefill_accepts_offsets_sliced_after_decodes():
     """The runner may pass query_start_loc[num_decodes:] un-rebased with query[num_decode_tokens:]."""
-    seq_lens, q_lens = [30, 12], [6, 12]
+    seq_lens = [30, 12]  # query lengths 6 and 12
     batch = make_paged_batch(seq_lens, 1, 64, 16, torch.float32, seed=6)
     query = torch.randn(18, 2, 64)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
