@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve generate test test-slow bench bench-kernels bench-serve train-default-model clean
+.PHONY: install serve generate test bench bench-kernels bench-serve train-default-model clean
 
 install: $(STAMP)
 
@@ -26,10 +26,6 @@ generate: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
-
-# The slow tests that the default run leaves out.
-test-slow: install
-	$(PY) -m pytest -q -m slow $(ARGS)
 
 # Offline throughput against HF transformers (issue 2): small and medium models, bf16.
 bench: install
