@@ -39,6 +39,11 @@ class IncrementalDetokenizer:
         if not self._enabled:
             return
         self._special_ids = set(tokenizer.all_special_ids)
+        # The Rust tokenizer behind a fast HF tokenizer decodes the same text without transformers'
+        # per-call argument conversion (this runs for every token of every request).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend_decode = backend.decode if backend is not None and not cleans_up else None
         # Added tokens (special or not) are spaced from neighbouring text when asked.
         self._spaced_ids: set[int] = set()
         if params.spaces_between_special_tokens:
@@ -56,6 +61,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         if not self._spaced_ids or self._spaced_ids.isdisjoint(ids):
+            if self._backend_decode is not None:
+                return self._backend_decode(ids, skip_special_tokens=self._skip_special)
             return self.tokenizer.decode(ids, skip_special_tokens=self._skip_special)
         # Decode the runs between added tokens separately and join them with spaces.
         segments: list[str] = []
