@@ -61,13 +61,41 @@ def paged_decode_attention_torch(
     [g, Hkv, L, D] (a strided view, no transpose copy) and fed to one SDPA call with the
     query heads grouped as [g, Hkv, G, D]; a length/window mask is added only when needed.
     """
+    num_seqs = query.shape[0]
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
+    # Shortest first: a group's gather and SDPA span its longest member, so grouping sequences of
+    # similar length wastes far less work on padding than grouping them in batch order.
+    order = sorted(range(num_seqs), key=lens.__getitem__)
+    if order == list(range(num_seqs)):
+        return _decode_in_groups(query, key_cache, value_cache, block_tables, seq_lens, lens, scale,
+                                 sliding_window, gather_budget_bytes)
+    perm = torch.tensor(order, device=query.device)
+    sorted_out = _decode_in_groups(
+        query[perm], key_cache, value_cache, block_tables[perm], seq_lens[perm], [lens[i] for i in order],
+        scale, sliding_window, gather_budget_bytes,
+    )
+    out = torch.empty_like(query)
+    out[perm] = sorted_out
+    return out
+
+
+def _decode_in_groups(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lens: list[int],
+    scale: float,
+    sliding_window: int | None,
+    gather_budget_bytes: int,
+) -> torch.Tensor:
     num_seqs, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
-    if num_seqs == 0:
-        return out
-    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     q = query.view(num_seqs, num_kv_heads, group, head_size)
     out_grouped = out.view(num_seqs, num_kv_heads, group, head_size)
     bytes_per_block = 2 * block_size * num_kv_heads * head_size * key_cache.element_size()
