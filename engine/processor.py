@@ -87,14 +87,7 @@ class Processor:
             raise ValueError(f"logprobs: at most {limit} are allowed, got {params.logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > limit:
             raise ValueError(f"prompt_logprobs: at most {limit} are allowed, got {params.prompt_logprobs}")
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if t < 0 or t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"logit_bias: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
-        if params.stop_token_ids:
-            bad = [t for t in params.stop_token_ids if t < 0 or t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"stop_token_ids: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        params.verify_vocab(self.vocab_size)
 
     def process(
         self,

@@ -222,3 +222,27 @@ def test_sharded_checkpoint_and_bf16(tiny_model_factory, tmp_path):
     outs = llm16.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
     assert_all_blocks_free(llm16)
+
+
+def test_bad_requests_fail_alone_with_the_field_named(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_kv_blocks=8, max_model_len=64)
+    good = {"prompt_token_ids": random_prompts(15, [5])[0]}
+    cases = [
+        ({"prompt_token_ids": [3] * 64}, greedy(), "max_model_len"),  # prompt + one token must fit
+        ({"prompt_token_ids": [3] * 40}, greedy(), "KV cache"),  # 8 blocks x 4 tokens = 32 tokens
+        ({"prompt_token_ids": [VOCAB_SIZE + 5]}, greedy(), "prompt_token_ids"),
+        ({"prompt_token_ids": []}, greedy(), "prompt"),
+        (good, SamplingParams(logit_bias={VOCAB_SIZE * 10: 1.0}), "logit_bias"),
+        (good, SamplingParams(stop_token_ids=[VOCAB_SIZE]), "stop_token_ids"),
+        (good, SamplingParams(logprobs=10_000), "logprobs"),
+    ]
+    for prompt, params, field in cases:
+        with pytest.raises(ValueError, match=field):
+            llm.generate([good, prompt], [greedy(), params], use_tqdm=False)
+        assert_all_blocks_free(llm)  # the good batch-mate was withdrawn too, nothing leaked
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(good, greedy(), priority=[1], use_tqdm=False)  # FCFS engine
+    out = llm.generate(good, greedy(), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_NEW
+    assert_all_blocks_free(llm)
