@@ -166,10 +166,8 @@ class ModelRunner:
             + positions % self.block_size
         )
         seq_lens = starts + q
+        # Decodes (query length 1) come first, so their count is also their token count.
         num_decodes = sum(1 for ql in batch.query_lens if ql == 1)
-        # Decodes come first, so the number of decode sequences equals their token count.
-        while num_decodes and batch.query_lens[num_decodes - 1] != 1:
-            num_decodes -= 1
 
         dev = self.device
         metadata = AttentionMetadata(

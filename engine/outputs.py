@@ -74,7 +74,6 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    error: str | None = None
 
     @property
     def finished(self) -> bool:

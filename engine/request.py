@@ -55,11 +55,8 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
-    # Tokens of this request whose KV a KV connector loads from elsewhere (disaggregated prefill).
-    num_external_computed_tokens: int = 0
-    # Set when the request's first token is scheduled / produced (metrics).
+    # When the request was first scheduled (metrics).
     scheduled_time: float | None = None
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -218,7 +218,6 @@ class Scheduler:
             request.num_computed_tokens = num_cached + num_external
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
-            request.num_external_computed_tokens = num_external
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:
                 request.scheduled_time = now

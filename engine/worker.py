@@ -66,9 +66,6 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(scheduler_output)
 
-    def is_driver(self) -> bool:
-        return self.model_runner.is_driver
-
     def shutdown(self) -> None:
         if self.parallel is not None and self.parallel.world_size > 1:
             destroy_distributed()
