@@ -1,4 +1,5 @@
-"""The torch twins (the CPU production path) against naive references and HF transformers."""
+"""The torch twins (the CPU path; the fallback where the compiled CPU ops cannot build) against naive
+references and HF transformers. The compiled ops have their own file: test_cpu_ops.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from kernels_testutil import make_paged_batch, naive_paged_attention, tolerance
 
 import kernels
+from kernels.torch_impl.attention import paged_decode_attention_torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +42,7 @@ def test_decode_twin_matches_naive(dtype, num_heads, num_kv_heads, head_size, bl
     batch = make_paged_batch(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=1)
     query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
     scale = head_size ** -0.5
-    out = kernels.paged_decode_attention(
+    out = paged_decode_attention_torch(
         query, batch.key_cache, batch.value_cache, batch.block_tables,
         torch.tensor(seq_lens, dtype=torch.int32), scale,
     )
@@ -54,7 +56,7 @@ def test_decode_twin_sliding_window(with_cpu_lens):
     seq_lens = [40, 70, 5]
     batch = make_paged_batch(seq_lens, 2, 64, 16, torch.float32, seed=2)
     query = torch.randn(3, 4, 64)
-    out = kernels.paged_decode_attention(
+    out = paged_decode_attention_torch(
         query, batch.key_cache, batch.value_cache, batch.block_tables,
         torch.tensor(seq_lens, dtype=torch.int32), 0.125, sliding_window=20,
         seq_lens_cpu=seq_lens if with_cpu_lens else None,
@@ -295,8 +297,6 @@ def test_cpu_path_never_imports_triton():
 @pytest.mark.parametrize("sliding_window", [None, 24])
 def test_decode_twin_grouping_is_invisible(sliding_window):
     """Tiny gather budgets split the batch into many groups; the result must not change."""
-    from kernels.torch_impl.attention import paged_decode_attention_torch
-
     seq_lens = [3, 64, 17, 100, 1, 48]
     batch = make_paged_batch(seq_lens, 2, 64, 16, torch.float32, seed=4)
     query = torch.randn(len(seq_lens), 4, 64)

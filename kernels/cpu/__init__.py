@@ -1,0 +1,11 @@
+"""Compiled CPU ops (C++ built on first use with torch.utils.cpp_extension) and huge-page KV memory.
+
+They back the CPU path where a torch-op composition pays for copies a hand loop avoids: paged decode
+attention reads K/V rows in place instead of gathering blocks. The torch twins in kernels.torch_impl
+stay the fallback (no C++ compiler) and the reference the compiled ops are tested against.
+"""
+
+from kernels.cpu.build import cpu_ops_available, load_cpu_ops
+from kernels.cpu.memory import empty_hugepage_tensor
+
+__all__ = ["cpu_ops_available", "empty_hugepage_tensor", "load_cpu_ops"]

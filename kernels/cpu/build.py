@@ -1,0 +1,99 @@
+"""Build and load the C++ CPU ops (torch.ops.pagedserve.*) once per process.
+
+The library is compiled with -march=native, so the build directory is keyed by the source, the torch
+version, the compiler flags and this CPU's model and feature flags: a home directory shared by machines
+of different CPUs never loads a library built for another. torch.utils.cpp_extension serialises
+concurrent builds of one directory (several Ray workers starting together) with a lock file.
+
+    python -m kernels.cpu     # build ahead of time (make install does), print where and how long
+
+PAGEDSERVE_CPU_OPS=0 turns the compiled ops off (the torch twins run instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
+ENV_SWITCH = "PAGEDSERVE_CPU_OPS"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool once a load was attempted; "error": str on failure
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags from /proc/cpuinfo (the machine name where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags")]
+    return "\n".join(sorted(set(wanted)))
+
+
+def build_directory() -> Path:
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    for part in (torch.__version__, " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_signature()):
+        digest.update(part.encode())
+    root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+    return root / "cpu_ops" / digest.hexdigest()[:16]
+
+
+def load_cpu_ops() -> bool:
+    """Build (if needed) and load the ops; True when torch.ops.pagedserve is usable. Never raises:
+    a failed build is logged once and the torch twins are used."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+            _state["ok"] = False
+            _state["error"] = f"disabled by {ENV_SWITCH}"
+            return False
+        from torch.utils.cpp_extension import load
+
+        directory = build_directory()
+        start = time.perf_counter()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            load(
+                name="pagedserve_cpu_ops",
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a compile error: fall back, say why once
+            _state["ok"] = False
+            _state["error"] = f"{type(exc).__name__}: {exc}"
+            logger.warning("CPU ops unavailable, using the torch twins (slower decode attention): %s",
+                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return False
+        _state["ok"] = True
+        logger.debug("CPU ops loaded from %s in %.1f s", directory, time.perf_counter() - start)
+        return True
+
+
+def cpu_ops_available() -> bool:
+    return load_cpu_ops()
+
+
+def cpu_ops_error() -> str | None:
+    """Why the compiled ops are not in use, after a failed load_cpu_ops()."""
+    return _state.get("error")  # type: ignore[return-value]
+

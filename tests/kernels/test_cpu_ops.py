@@ -1,0 +1,144 @@
+"""The compiled CPU ops (kernels/cpu) against the torch twin and a naive dense reference, the entry
+point's choice between them, the fallback when the build is off or fails, and huge-page KV memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernels_testutil import make_paged_batch, naive_paged_attention, tolerance
+
+import kernels
+from kernels.cpu import cpu_ops_available, empty_hugepage_tensor
+from kernels.torch_impl.attention import paged_decode_attention_torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def compiled_decode(query, batch, seq_lens, scale, sliding_window=None):
+    return torch.ops.pagedserve.paged_decode_attention(
+        query, batch.key_cache, batch.value_cache, batch.block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32), scale, sliding_window or 0,
+    )
+
+
+def test_cpu_ops_build_on_this_machine():
+    # CI machines have g++ and ninja: a build that stops working must fail here, not silently fall back.
+    assert cpu_ops_available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [(4, 4, 64, 16), (8, 2, 80, 32), (4, 1, 96, 16), (8, 2, 128, 32), (6, 2, 72, 16), (8, 8, 32, 16)],
+)
+def test_compiled_decode_matches_naive_and_twin(dtype, num_heads, num_kv_heads, head_size, block_size):
+    # Lengths below, at and across block and 256-token partition boundaries (split-K merge).
+    seq_lens = [1, 16, 17, 45, 256, 257, 600]
+    batch = make_paged_batch(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=11)
+    query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
+    scale = head_size ** -0.5
+    out = compiled_decode(query, batch, seq_lens, scale)
+    ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
+    twin = paged_decode_attention_torch(query, batch.key_cache, batch.value_cache, batch.block_tables,
+                                        torch.tensor(seq_lens, dtype=torch.int32), scale)
+    torch.testing.assert_close(out.double(), twin.double(), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("sliding_window", [1, 20, 256, 300, 10_000])
+def test_compiled_decode_sliding_window(sliding_window):
+    seq_lens = [40, 70, 5, 530]
+    batch = make_paged_batch(seq_lens, 2, 64, 16, torch.float32, seed=2)
+    query = torch.randn(len(seq_lens), 4, 64)
+    out = compiled_decode(query, batch, seq_lens, 0.125, sliding_window)
+    ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), 0.125, sliding_window=sliding_window)
+    torch.testing.assert_close(out.double(), ref, **tolerance(torch.float32))
+
+
+def test_compiled_decode_result_independent_of_batch_and_threads():
+    """A sequence's output is bitwise the same alone, in any batch, and with any thread count (seeded
+    sampling must not depend on what else runs)."""
+    seq_lens = [300, 7, 64, 1000]
+    batch = make_paged_batch(seq_lens, 2, 64, 16, torch.bfloat16, seed=5)
+    query = torch.randn(len(seq_lens), 8, 64).to(torch.bfloat16)
+    together = compiled_decode(query, batch, seq_lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for i, n_tokens in enumerate(seq_lens):
+                alone = torch.ops.pagedserve.paged_decode_attention(
+                    query[i:i + 1], batch.key_cache, batch.value_cache, batch.block_tables[i:i + 1],
+                    torch.tensor([n_tokens], dtype=torch.int32), 0.125, 0)
+                assert torch.equal(alone[0], together[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_entry_point_uses_compiled_op_on_strided_query_and_int64_tables():
+    """The engine hands a query that is a view into the fused QKV projection, and tables may be int64."""
+    seq_lens = [33, 90]
+    batch = make_paged_batch(seq_lens, 2, 64, 16, torch.float32, seed=7)
+    qkv = torch.randn(2, (4 + 2 * 2) * 64)
+    query = qkv[:, : 4 * 64].view(2, 4, 64)
+    assert not query.is_contiguous()
+    out = kernels.paged_decode_attention(query, batch.key_cache, batch.value_cache, batch.block_tables.long(),
+                                         torch.tensor(seq_lens), 0.125)
+    ref = naive_paged_attention(query, batch, [0, 1, 2], 0.125)
+    torch.testing.assert_close(out.double(), ref, **tolerance(torch.float32))
+    torch.testing.assert_close(out, compiled_decode(query.contiguous(), batch, seq_lens, 0.125), atol=0, rtol=0)
+
+
+def test_compiled_decode_rejects_mismatched_dtypes():
+    batch = make_paged_batch([5], 1, 32, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        compiled_decode(torch.randn(1, 2, 32).to(torch.bfloat16), batch, [5], 0.1)
+
+
+FALLBACK_SCRIPT = """
+import logging, torch, kernels
+logging.basicConfig(level=logging.WARNING)
+from kernels.cpu.build import cpu_ops_available, cpu_ops_error
+q = torch.randn(2, 4, 32); kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)
+bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32); sl = torch.tensor([20, 3], dtype=torch.int32)
+out = kernels.paged_decode_attention(q, kc, vc, bt, sl, 0.25)
+print(cpu_ops_available(), cpu_ops_error(), float(out.abs().sum()) > 0)
+"""
+
+
+@pytest.mark.parametrize("how", ["switched off", "build fails"])
+def test_falls_back_to_torch_twin(tmp_path, how):
+    env = dict(os.environ, PAGEDSERVE_CACHE_DIR=str(tmp_path))
+    script = FALLBACK_SCRIPT
+    if how == "switched off":
+        env["PAGEDSERVE_CPU_OPS"] = "0"
+    else:  # a compile error stands for any failed build (no compiler, no ninja)
+        script = "import kernels.cpu.build as b; b.CFLAGS = b.CFLAGS + ['-DPAGEDSERVE_NO_SUCH_HEADER', " \
+                 "'-include', 'no/such/header.h']\n" + script
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    ok, *_, nonzero = result.stdout.split()
+    assert ok == "False" and nonzero == "True"
+    if how == "switched off":
+        assert "PAGEDSERVE_CPU_OPS" in result.stdout
+    else:
+        assert "CPU ops unavailable" in result.stderr
+
+
+def test_hugepage_tensor_is_zeroed_writable_and_outlives_views():
+    t = empty_hugepage_tensor((300, 16, 4, 64), torch.bfloat16)  # 2.3 MiB: the mmap path
+    assert t.shape == (300, 16, 4, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    t[5].fill_(2.0)
+    view = t[5]
+    del t
+    assert float(view.float().sum()) == 2.0 * 16 * 4 * 64
+    small = empty_hugepage_tensor((3, 4), torch.float32)  # under one huge page: plain torch.zeros
+    assert small.shape == (3, 4) and not small.any()
