@@ -7,7 +7,7 @@
 // the values the same way, weighted by the softmax numerators. A sequence split into several partitions
 // (split-K, for long contexts or too few sequences to occupy every thread) is merged by log-sum-exp.
 //
-// Registered as torch.ops.pagedserve.paged_decode_attention; built on first use by kernels/cpu/build.py.
+// torch.ops.pagedserve.paged_decode_attention (schema in registration.cpp).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,21 +24,111 @@ namespace {
 
 constexpr int64_t kMinPartitionTokens = 256;
 constexpr int64_t kMaxPartitionTokens = 2048;
-constexpr int64_t kPrefetchTokens = 2;
+constexpr int64_t kSplitBelowSeqs = 16;  // batches this small split contexts into several partitions
+constexpr int64_t kPrefetchBytes = 2048;
 
-// Widen one row of `n` elements to float.
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+// 16-float vectors through the compiler's generic vector extension (AVX-512 here, split on narrower ISAs).
+using vec16 = float __attribute__((vector_size(64)));
+using vec8 = float __attribute__((vector_size(32)));
+using vec4 = float __attribute__((vector_size(16)));
+using u16x16 = uint16_t __attribute__((vector_size(32)));
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+using f16x16 = _Float16 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 16;
 
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(&dst[i], &widened, sizeof(float));
+// Load 16 elements widened to float (bf16: the 16 bits are the top half of the float).
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vec16 load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  vec16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline vec16 load16(const c10::Half* p) {
+  f16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vec16);
+}
+
+inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+// exp of 16 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial, ~2 ulp), vectorised
+// because a scalar expf per score and head is a quarter of the op's time at small head sizes.
+// Inputs at or below -87.3 give 0 (no denormals); the op only exponentiates score - max <= 0.
+inline vec16 exp16(vec16 x) {
+  using i32x16 = int32_t __attribute__((vector_size(64)));
+  const vec16 lo = vec16{} - 87.3365447505531f, hi = vec16{} + 88.3762626647949f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vec16 clamped = x;
+  vec16 fx = x * 1.44269504088896341f + 0.5f;  // floor(x / ln 2 + 0.5)
+  const vec16 truncated = __builtin_convertvector(__builtin_convertvector(fx, i32x16), vec16);
+  fx = truncated > fx ? truncated - 1.f : truncated;
+  x = x - fx * 0.693359375f - fx * -2.12194440e-4f;
+  vec16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * (x * x) + x + 1.f;
+  const i32x16 n = __builtin_convertvector(fx, i32x16);
+  const i32x16 bits = (n + 127) << 23;  // 2^n; n = -126 at the lower clamp, so the exponent stays >= 1
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const vec16 result = y * scale;
+  return clamped <= lo ? vec16{} : result;
+}
+
+// Pairwise halving: a lane-by-lane loop would be a chain of 16 dependent scalar adds.
+inline float hsum(vec16 v) {
+  const vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// out[g] = q[g] . k for `count` (<= 4) query heads q[g] = q + g * head_size sharing one key row, the key
+// widened to float as it is loaded; the independent accumulators hide the FMA latency.
+template <typename T>
+inline void dot_heads(const float* q, const T* k, int64_t head_size, int64_t count, float* out) {
+  vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int64_t d = 0; d < head_size; d += kLanes) {
+    const vec16 kv = load16(k + d);
+    a0 += load16(q + d) * kv;
+    if (count > 1) a1 += load16(q + head_size + d) * kv;
+    if (count > 2) a2 += load16(q + 2 * head_size + d) * kv;
+    if (count > 3) a3 += load16(q + 3 * head_size + d) * kv;
+  }
+  out[0] = hsum(a0);
+  if (count > 1) out[1] = hsum(a1);
+  if (count > 2) out[2] = hsum(a2);
+  if (count > 3) out[3] = hsum(a3);
+}
+
+// acc[g] += p[g] * v for `group` query heads sharing one value row.
+template <typename T>
+inline void axpy_heads(const float* p, const T* v, int64_t head_size, int64_t group, float* acc) {
+  for (int64_t d = 0; d < head_size; d += kLanes) {
+    const vec16 vv = load16(v + d);
+    for (int64_t g = 0; g < group; ++g) {
+      float* a = acc + g * head_size + d;
+      const vec16 updated = load16(a) + p[g] * vv;
+      std::memcpy(a, &updated, sizeof(vec16));
+    }
   }
 }
 
-inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+// Head sizes that are not a multiple of 16: widen the row to float, then plain loops.
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
@@ -54,60 +144,8 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// 16-float vectors through the compiler's generic vector extension (AVX-512 here, split on narrower ISAs).
-using vec16 = float __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-using vec8 = float __attribute__((vector_size(32)));
-using vec4 = float __attribute__((vector_size(16)));
-
-// Pairwise halving: a lane-by-lane loop would be a chain of 16 dependent scalar adds.
-inline float hsum(vec16 v) {
-  const vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-
-// out[g] = q[g] . k for `count` (<= 4) query heads q[g] = q + g * head_size sharing one key row: the
-// independent accumulators hide the FMA latency a single dot would wait on.
-inline void dot_heads(const float* q, const float* k, int64_t head_size, int64_t count, float* out) {
-  if (head_size % kLanes != 0) {
-    for (int64_t g = 0; g < count; ++g) out[g] = dot(q + g * head_size, k, head_size);
-    return;
-  }
-  vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  for (int64_t d = 0; d < head_size; d += kLanes) {
-    const vec16 kv = load16(k + d);
-    a0 += load16(q + d) * kv;
-    if (count > 1) a1 += load16(q + head_size + d) * kv;
-    if (count > 2) a2 += load16(q + 2 * head_size + d) * kv;
-    if (count > 3) a3 += load16(q + 3 * head_size + d) * kv;
-  }
-  out[0] = hsum(a0);
-  if (count > 1) out[1] = hsum(a1);
-  if (count > 2) out[2] = hsum(a2);
-  if (count > 3) out[3] = hsum(a3);
-}
-
-template <typename T>
-inline const float* row_as_float(const T* row, float* scratch, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return row;
-  } else {
-    to_float(row, scratch, n);
-    return scratch;
-  }
-}
-
-// Ask for a future token's K or V row (all KV heads) ahead of use: consecutive tokens of a sequence
-// may sit in blocks far apart, which the hardware prefetcher cannot guess.
+// Ask for a future token's K or V row (the item's KV heads) ahead of use: consecutive blocks of a
+// sequence may sit far apart, which the hardware prefetcher cannot guess.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -128,16 +166,20 @@ struct WorkPlan {
 };
 
 // Splitting a context costs a partial buffer and a merge, so it is done only when needed: to bound the
-// score buffer (kMaxPartitionTokens) or, with fewer sequences than the threads can use, to give every
-// thread work (kMinPartitionTokens pieces). Too few items even then: the KV heads are split as well.
+// score buffer (kMaxPartitionTokens) or, in a batch of few sequences, to have enough pieces for the
+// threads (at least kMinPartitionTokens each). Too few items even then: the KV heads are split as well.
+//
+// The partitioning (which alone changes the arithmetic) depends on the batch, never on the thread count,
+// so a batch gives bitwise the same result however many threads run it.
 WorkPlan plan_work(const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads, int64_t sliding_window) {
-  const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());
   int64_t partition = kMaxPartitionTokens;
-  if (num_seqs < wanted) {
+  if (num_seqs < kSplitBelowSeqs) {
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; ++s) total += lens[s];
-    partition = std::clamp<int64_t>((total + wanted - 1) / wanted, kMinPartitionTokens, kMaxPartitionTokens);
+    partition = std::clamp<int64_t>((total + kSplitBelowSeqs - 1) / kSplitBelowSeqs, kMinPartitionTokens,
+                                    kMaxPartitionTokens);
   }
+  const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());
   WorkPlan plan;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = lens[s];
@@ -191,50 +233,74 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   std::vector<float> partial_acc(plan.num_partials * num_heads * head_size);
   std::vector<float> partial_max(plan.num_partials * num_heads), partial_sum(plan.num_partials * num_heads);
 
+  const bool vectorised = head_size % kLanes == 0;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_f(num_heads * head_size), row(head_size), scores(num_heads * plan.max_tokens);
+    std::vector<float> q_f(num_heads * head_size), row(head_size), scores(num_heads * round_up(plan.max_tokens, kLanes));
     // Output accumulator of items that write directly (partials have their own slots), exp-sum per head.
-    std::vector<float> direct_acc(num_heads * head_size), sum_of(num_heads);
+    std::vector<float> direct_acc(num_heads * head_size), sum_of(num_heads), probs(group);
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& it = items[i];
-      const int64_t t0 = it.token_begin, n = it.token_end - it.token_begin;
-      const int64_t h_begin = it.kv_head_begin * group, h_end = it.kv_head_end * group;
-      const int64_t row_offset = it.kv_head_begin * cache_head_stride;
-      const int64_t row_elems = (it.kv_head_end - it.kv_head_begin) * cache_head_stride;
-      const int64_t stride = plan.max_tokens;  // scores row of one head
+      const int64_t t0 = it.token_begin, t1 = it.token_end, n = t1 - t0;
+      const int64_t kv_begin = it.kv_head_begin, kv_end = it.kv_head_end;
+      const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
+      const int64_t row_offset = kv_begin * cache_head_stride;
+      const int64_t row_elems = (kv_end - kv_begin) * cache_head_stride;
+      const int64_t stride = round_up(plan.max_tokens, kLanes);  // scores row of one head
+      // Rows are requested about kPrefetchBytes ahead of use (at least one token).
+      const int64_t prefetch_tokens = std::max<int64_t>(1, kPrefetchBytes / (row_elems * static_cast<int64_t>(sizeof(T))));
       const int32_t* table = tables + it.seq * table_stride;
       for (int64_t h = h_begin; h < h_end; ++h) {
         float* qh = q_f.data() + h * head_size;
         to_float(q_data + it.seq * q_seq_stride + h * q_head_stride, qh, head_size);
         for (int64_t d = 0; d < head_size; ++d) qh[d] *= scale_f;
       }
-      auto token_row = [&](const T* cache, int64_t t) {
-        return cache + table[t / block_size] * cache_block_stride + (t % block_size) * cache_token_stride + row_offset;
+      // Visit the item's tokens block by block: fn(j, row) with j the token's index in the partition and
+      // row its K or V for the item's KV heads (contiguous per head, heads cache_head_stride apart).
+      auto for_each_token = [&](const T* cache, auto&& fn) {
+        auto row_of = [&](int64_t t) {
+          return cache + table[t / block_size] * cache_block_stride + (t % block_size) * cache_token_stride + row_offset;
+        };
+        for (int64_t t = t0; t < std::min(t1, t0 + prefetch_tokens); ++t) prefetch_row(row_of(t), row_elems);
+        for (int64_t t = t0; t < t1;) {
+          const int64_t off = t % block_size, stop = std::min(t1, t - off + block_size);
+          const T* row = row_of(t);
+          for (; t < stop; ++t, row += cache_token_stride) {
+            if (t + prefetch_tokens < t1) prefetch_row(row_of(t + prefetch_tokens), row_elems);
+            fn(t - t0, row);
+          }
+        }
       };
-      // Keys token by token (one token's K for the item's KV heads is contiguous): every query head's score.
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + kPrefetchTokens < n) prefetch_row(token_row(k_data, t0 + j + kPrefetchTokens), row_elems);
-        const T* krow = token_row(k_data, t0 + j);
-        for (int64_t kh = it.kv_head_begin; kh < it.kv_head_end; ++kh) {
-          const float* k_f = row_as_float(krow + (kh - it.kv_head_begin) * cache_head_stride, row.data(), head_size);
+      // Scores: each key row read once for the G query heads grouped on its KV head.
+      for_each_token(k_data, [&](int64_t j, const T* krow) {
+        for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
+          const T* k = krow + (kh - kv_begin) * cache_head_stride;
           for (int64_t g = 0; g < group; g += 4) {
             const int64_t h = kh * group + g, count = std::min<int64_t>(4, group - g);
             float dots[4];
-            dot_heads(q_f.data() + h * head_size, k_f, head_size, count, dots);
+            if (vectorised) {
+              dot_heads(q_f.data() + h * head_size, k, head_size, count, dots);
+            } else {
+              to_float(k, row.data(), head_size);
+              for (int64_t c = 0; c < count; ++c) dots[c] = dot(q_f.data() + (h + c) * head_size, row.data(), head_size);
+            }
             for (int64_t c = 0; c < count; ++c) scores[(h + c) * stride + j] = dots[c];
           }
         }
-      }
+      });
       float* acc = it.partial >= 0 ? partial_acc.data() + it.partial * num_heads * head_size : direct_acc.data();
       for (int64_t h = h_begin; h < h_end; ++h) {
         float* sc = scores.data() + h * stride;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
-        float l = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          sc[j] = std::exp(sc[j] - m);
-          l += sc[j];
+        // The row is padded to whole vectors with -inf, whose exp is 0: every score takes the same path.
+        std::fill(sc + n, sc + round_up(n, kLanes), -std::numeric_limits<float>::infinity());
+        vec16 sums = {};
+        for (int64_t j = 0; j < n; j += kLanes) {
+          const vec16 e = exp16(load16(sc + j) - m);
+          std::memcpy(sc + j, &e, sizeof(e));
+          sums += e;
         }
+        const float l = hsum(sums);
         if (it.partial >= 0) {
           partial_max[it.partial * num_heads + h] = m;
           partial_sum[it.partial * num_heads + h] = l;
@@ -242,16 +308,19 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         sum_of[h] = l;
         std::fill(acc + h * head_size, acc + (h + 1) * head_size, 0.f);
       }
-      // Values token by token, weighted by the softmax numerators.
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + kPrefetchTokens < n) prefetch_row(token_row(v_data, t0 + j + kPrefetchTokens), row_elems);
-        const T* vrow = token_row(v_data, t0 + j);
-        for (int64_t kh = it.kv_head_begin; kh < it.kv_head_end; ++kh) {
-          const float* v_f = row_as_float(vrow + (kh - it.kv_head_begin) * cache_head_stride, row.data(), head_size);
-          for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
-            axpy(scores[h * stride + j], v_f, acc + h * head_size, head_size);
+      // Values, weighted by the softmax numerators, each row read once for its G query heads.
+      for_each_token(v_data, [&](int64_t j, const T* vrow) {
+        for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
+          const T* v = vrow + (kh - kv_begin) * cache_head_stride;
+          for (int64_t g = 0; g < group; ++g) probs[g] = scores[(kh * group + g) * stride + j];
+          if (vectorised) {
+            axpy_heads(probs.data(), v, head_size, group, acc + kh * group * head_size);
+          } else {
+            to_float(v, row.data(), head_size);
+            for (int64_t g = 0; g < group; ++g) axpy(probs[g], row.data(), acc + (kh * group + g) * head_size, head_size);
+          }
         }
-      }
+      });
       if (it.partial < 0) {  // the whole context: normalise into the output
         for (int64_t h = h_begin; h < h_end; ++h) {
           const float inv = sum_of[h] > 0.f ? 1.f / sum_of[h] : 0.f;
@@ -324,10 +393,5 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 }
 
 }  // namespace
-
-TORCH_LIBRARY(pagedserve, m) {
-  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int sliding_window) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,11 @@
+// The schemas of torch.ops.pagedserve.*; each op's CPU implementation registers itself in its own file.
+// Built on first use by kernels/cpu/build.py.
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, int sliding_window) -> Tensor");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+}
