@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch-sizes", default="8,16,32,64")
+    parser.add_argument("--hf-batch-sizes", default="8,16,32,64,128")
     parser.add_argument("--hf-calibration-prompts", type=int, default=32)
     parser.add_argument("--kv-cache-memory", default="6GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
