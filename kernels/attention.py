@@ -37,6 +37,11 @@ def paged_decode_attention(
             f"block_tables rows {block_tables.shape[0]} / seq_lens length {seq_lens.shape[0]} "
             f"!= query num_seqs {query.shape[0]}"
         )
+    if seq_lens_cpu is not None and seq_lens_cpu and max(seq_lens_cpu) > block_tables.shape[1] * key_cache.shape[1]:
+        raise ValueError(
+            f"seq_lens up to {max(seq_lens_cpu)} tokens need more than block_tables' {block_tables.shape[1]} "
+            f"blocks of {key_cache.shape[1]}"
+        )
     if query.is_cuda:
         from kernels.triton.decode_attention import paged_decode_attention_triton
 

@@ -367,6 +367,26 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   });
 }
 
+// The kernel reads cache rows through the tables unchecked: refuse a table that is too short for its
+// sequence or names a block outside the cache, as the gathering twin would, instead of reading stray
+// memory.
+void check_block_references(const at::Tensor& tables, const at::Tensor& lens, int64_t num_blocks, int64_t block_size) {
+  const int32_t* table_data = tables.data_ptr<int32_t>();
+  const int32_t* len_data = lens.data_ptr<int32_t>();
+  const int64_t width = tables.size(1), row_stride = tables.stride(0);
+  for (int64_t s = 0; s < lens.size(0); ++s) {
+    TORCH_CHECK(len_data[s] >= 0, "seq_lens[", s, "] is negative");
+    const int64_t used = (static_cast<int64_t>(len_data[s]) + block_size - 1) / block_size;
+    TORCH_CHECK(used <= width, "seq_lens[", s, "] = ", len_data[s], " needs ", used, " blocks but block_tables has ",
+                width, " columns");
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t block = table_data[s * row_stride + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
+                  " is outside the cache (", num_blocks, " blocks)");
+    }
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
@@ -380,8 +400,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == query.size(0),
+              "block_tables [S, max_blocks] and seq_lens [S] expected for S = query.size(0)");
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
+  check_block_references(tables, lens, key_cache.size(0), key_cache.size(1));
   at::Tensor out = at::empty(query.sizes(), query.options());
   switch (query.scalar_type()) {
     case at::kFloat: decode_kernel<float>(query, key_cache, value_cache, tables, lens, scale, sliding_window, out); break;

@@ -183,3 +183,29 @@ def test_compiled_reshape_and_cache_refuses_slots_beyond_the_cache():
     with pytest.raises(RuntimeError, match="beyond the cache"):
         torch.ops.pagedserve.reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0, 8]))
     assert not cache.any()
+
+
+def test_compiled_decode_refuses_tables_that_point_outside_the_cache():
+    batch = make_paged_batch([20, 5], 1, 32, 16, torch.float32)
+    query = torch.randn(2, 2, 32)
+    with pytest.raises(RuntimeError, match="block_tables has"):
+        compiled_decode(query, batch, [20, 16 * batch.block_tables.shape[1] + 1], 0.1)
+    batch.block_tables[0, 1] = batch.key_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        compiled_decode(query, batch, [20, 5], 0.1)
+
+
+def test_entry_point_on_an_empty_batch():
+    batch = make_paged_batch([4], 1, 32, 16, torch.bfloat16)
+    out = kernels.paged_decode_attention(torch.empty(0, 2, 32, dtype=torch.bfloat16), batch.key_cache,
+                                         batch.value_cache, batch.block_tables[:0], torch.empty(0, dtype=torch.int32),
+                                         0.1)
+    assert out.shape == (0, 2, 32)
+
+
+def test_entry_point_names_seq_lens_that_overrun_the_block_table():
+    batch = make_paged_batch([20], 1, 32, 16, torch.float32)
+    too_long = 16 * batch.block_tables.shape[1] + 1
+    with pytest.raises(ValueError, match="seq_lens"):
+        kernels.paged_decode_attention(torch.randn(1, 2, 32), batch.key_cache, batch.value_cache, batch.block_tables,
+                                       torch.tensor([too_long], dtype=torch.int32), 0.1, seq_lens_cpu=[too_long])
