@@ -3,7 +3,7 @@
 Grid (num_seqs, num_kv_heads, num_partitions): a program takes one KV head with all the
 query heads that share it (GQA: one [G, D] query tile, so each K/V block is loaded once
 per group) over one partition of the context, walking the block table one cache block
-at a time with an online softmax. With more than one partition, each writes its
+at a time with an online softmax (kernels.triton.paged_blocks). With more than one partition, each writes its
 (max, sum, acc) and a reduction kernel merges them; with one, the result is stored
 directly.
 """
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton._utils import dot_precision, interpreting
+from kernels.triton.paged_blocks import attend_paged_blocks
 
 DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition (a multiple of the block size)
 
@@ -35,10 +36,8 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     first_blk = part * PARTITION_BLOCKS
     end_blk = tl.minimum(first_blk + PARTITION_BLOCKS, tl.cdiv(seq_len, BLOCK_SIZE))
-    window_start = 0
     if HAS_WINDOW:
-        window_start = tl.maximum(seq_len - sliding_window, 0)
-        first_blk = tl.maximum(first_blk, window_start // BLOCK_SIZE)
+        first_blk = tl.maximum(first_blk, tl.maximum(seq_len - sliding_window, 0) // BLOCK_SIZE)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -50,29 +49,13 @@ def _decode_kernel(
     if INTERPRET:
         q = q.to(tl.float32)  # interpreter defect: tl.dot on bf16 returns garbage; GPU keeps bf16 dots
 
-    offs = tl.arange(0, BLOCK_SIZE)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for blk in range(first_blk, end_blk):
-        phys = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
-        kv_off = phys * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-        if INTERPRET:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, BLOCK_SIZE]
-        pos = blk * BLOCK_SIZE + offs
-        valid = (pos < seq_len) & (pos >= window_start)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+    q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)  # the one new token of every grouped head
+    m, l, acc = attend_paged_blocks(
+        q, q_pos, seq_len, first_blk, end_blk, sliding_window,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head, d, d_mask, scale,
+        stride_cb, stride_cs, stride_ch,
+        BLOCK_G, BLOCK_SIZE, BLOCK_D, HAS_WINDOW, INTERPRET, DOT_PRECISION,
+    )
 
     if USE_PARTITIONS:
         part_idx = (seq * tl.num_programs(1) * BLOCK_G + kv_head * BLOCK_G + g) * num_partitions + part

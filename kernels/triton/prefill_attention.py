@@ -3,7 +3,7 @@
 Grid (num_seqs, query tiles, num_heads): a program takes BLOCK_M query tokens of one
 sequence and one head and walks that sequence's block table up to its last query
 position (causal), from the first block inside the sliding window if there is one,
-with an online softmax. Query token j of a sequence with q_len new tokens and
+with an online softmax (kernels.triton.paged_blocks). Query token j of a sequence with q_len new tokens and
 seq_len context sits at position seq_len - q_len + j, so cached prefixes (chunked
 prefill, prefix-cache hits) need nothing special.
 """
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton._utils import dot_precision, interpreting
+from kernels.triton.paged_blocks import attend_paged_blocks
 
 
 @triton.jit
@@ -51,31 +52,12 @@ def _prefill_kernel(
         if HAS_WINDOW:
             first_blk = tl.maximum(prefix + m_block * BLOCK_M - sliding_window + 1, 0) // BLOCK_SIZE
 
-        offs_n = tl.arange(0, BLOCK_SIZE)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for blk in range(first_blk, end_blk):
-            phys = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
-            kv_off = phys * stride_cb + offs_n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-            if INTERPRET:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
-            k_pos = blk * BLOCK_SIZE + offs_n
-            valid = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
-            if HAS_WINDOW:
-                valid = valid & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
+        m, l, acc = attend_paged_blocks(
+            q, q_pos, seq_len, first_blk, end_blk, sliding_window,
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head, d, d_mask, scale,
+            stride_cb, stride_cs, stride_ch,
+            BLOCK_M, BLOCK_SIZE, BLOCK_D, HAS_WINDOW, INTERPRET, DOT_PRECISION,
+        )
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
