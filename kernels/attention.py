@@ -5,10 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels._validate import check_dim, check_kv_cache, check_sliding_window
-from kernels.cpu.build import cpu_ops_available
 from kernels.torch_impl.attention import paged_decode_attention_torch, paged_prefill_attention_torch
-
-_CPU_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def paged_decode_attention(
@@ -23,7 +20,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence (at position seq_len-1) over its blocks.
 
-    On CPU the compiled op (kernels/cpu) runs when it built, else the torch twin.
+    On CPU the twin runs the compiled op (kernels/cpu) when it built, else gather + SDPA.
 
     Returns [num_seqs, num_heads, head_size] in the query dtype.
     """
@@ -47,17 +44,6 @@ def paged_decode_attention(
 
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, seq_lens_cpu
-        )
-    if (
-        query.dtype in _CPU_OP_DTYPES
-        and query.stride(-1) == 1
-        and key_cache.stride(-1) == 1
-        and key_cache.stride() == value_cache.stride()
-        and cpu_ops_available()
-    ):
-        return torch.ops.pagedserve.paged_decode_attention(
-            query, key_cache, value_cache, block_tables.to(torch.int32), seq_lens.to(torch.int32),
-            float(scale), sliding_window or 0,
         )
     return paged_decode_attention_torch(
         query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, seq_lens_cpu

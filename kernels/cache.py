@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from kernels._validate import check_dim
-from kernels.cpu.build import cpu_ops_available
 from kernels.torch_impl.cache import reshape_and_cache_torch
 
 
@@ -32,12 +31,5 @@ def reshape_and_cache(
         from kernels.triton.cache import reshape_and_cache_triton
 
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
-    elif (
-        key.dtype == key_cache.dtype
-        and value.dtype == value_cache.dtype
-        and key.stride(-1) == value.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
-        and cpu_ops_available()
-    ):
-        torch.ops.pagedserve.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     else:
         reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)

@@ -7,7 +7,7 @@ concurrent builds of one directory (several Ray workers starting together) with 
 
     python -m kernels.cpu     # build ahead of time (make install does), print where and how long
 
-PAGEDSERVE_CPU_OPS=0 turns the compiled ops off (the torch twins run instead).
+PAGEDSERVE_CPU_OPS=0 turns the compiled ops off (the twins run their pure-torch paths instead).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def build_directory() -> Path:
 
 def load_cpu_ops() -> bool:
     """Build (if needed) and load the ops; True when torch.ops.pagedserve is usable. Never raises:
-    a failed build is logged once and the torch twins are used."""
+    a failed build is logged once and the twins use their pure-torch paths."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
@@ -81,7 +81,7 @@ def load_cpu_ops() -> bool:
         except Exception as exc:  # no compiler, no ninja, a compile error: fall back, say why once
             _state["ok"] = False
             _state["error"] = f"{type(exc).__name__}: {exc}"
-            logger.warning("CPU ops unavailable, using the torch twins (slower decode attention): %s",
+            logger.warning("CPU ops unavailable, using pure-torch kernels (slower decode attention): %s",
                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return False
         _state["ok"] = True

@@ -2,7 +2,7 @@
 //
 // One token's K (all KV heads) is one contiguous row of the cache, so a write is a memcpy per token
 // (per head when the source is a strided view, e.g. a slice of the fused QKV projection). The torch
-// twin needs a mask, a compaction, a dtype cast and index_copy_ for the same work.
+// path needs a mask, a compaction, a dtype cast and index_copy_ for the same work.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

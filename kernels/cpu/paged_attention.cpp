@@ -1,6 +1,6 @@
 // Paged decode attention for the CPU, reading K/V rows in place from the block-table cache.
 //
-// The torch twin gathers each sequence's blocks into a contiguous buffer before SDPA: a second pass over
+// The pure-torch path gathers each sequence's blocks into a contiguous buffer before SDPA: a second pass over
 // memory that the op's cost is made of. Here one work item is (sequence, context partition, range of KV
 // heads). It walks its tokens in order (one token's K for all its KV heads is one contiguous row), scores
 // each key against the G query heads grouped on its KV head (the key is read once for all G), then walks
@@ -368,7 +368,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
 }
 
 // The kernel reads cache rows through the tables unchecked: refuse a table that is too short for its
-// sequence or names a block outside the cache, as the gathering twin would, instead of reading stray
+// sequence or names a block outside the cache, as the gathering torch path would, instead of reading stray
 // memory.
 void check_block_references(const at::Tensor& tables, const at::Tensor& lens, int64_t num_blocks, int64_t block_size) {
   const int32_t* table_data = tables.data_ptr<int32_t>();

@@ -1,6 +1,7 @@
-"""Paged attention over the block-table KV cache (torch twins).
+"""Paged attention over the block-table KV cache (the CPU twins).
 
-Decode gathers the blocks of a group of sequences with index_select into a
+Decode runs the compiled CPU op (kernels/cpu: K/V rows read in place) when it built; otherwise,
+and as its reference, it gathers the blocks of a group of sequences with index_select into a
 reused buffer and runs one SDPA per group with a length mask. GQA is handled by
 viewing the query heads as [B, Hkv, G, D] so the K/V are never repeated.
 Prefill loops over sequences (their query lengths differ) and runs SDPA on each
@@ -11,6 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu.build import cpu_ops_available
+
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _gather_context(
@@ -45,6 +50,33 @@ DECODE_GATHER_BUDGET_BYTES = 2 << 20
 
 
 def paged_decode_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    seq_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """The CPU decode path: the compiled op where it built and supports the inputs, else gather + SDPA."""
+    if (
+        query.dtype in _COMPILED_DTYPES
+        and query.stride(-1) == 1
+        and key_cache.stride(-1) == 1
+        and key_cache.stride() == value_cache.stride()
+        and cpu_ops_available()
+    ):
+        return torch.ops.pagedserve.paged_decode_attention(
+            query, key_cache, value_cache, block_tables.to(torch.int32), seq_lens.to(torch.int32),
+            float(scale), sliding_window or 0,
+        )
+    return paged_decode_attention_gather(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, seq_lens_cpu
+    )
+
+
+def paged_decode_attention_gather(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,

@@ -14,7 +14,7 @@ from kernels_testutil import make_paged_batch, naive_paged_attention, tolerance
 
 import kernels
 from kernels.cpu import cpu_ops_available, empty_hugepage_tensor
-from kernels.torch_impl.attention import paged_decode_attention_torch
+from kernels.torch_impl.attention import paged_decode_attention_gather
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_compiled_decode_matches_naive_and_twin(dtype, num_heads, num_kv_heads, 
     ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), scale)
     assert out.dtype == dtype and out.shape == query.shape
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
-    twin = paged_decode_attention_torch(query, batch.key_cache, batch.value_cache, batch.block_tables,
+    twin = paged_decode_attention_gather(query, batch.key_cache, batch.value_cache, batch.block_tables,
                                         torch.tensor(seq_lens, dtype=torch.int32), scale)
     torch.testing.assert_close(out.double(), twin.double(), **tolerance(dtype))
 
@@ -160,7 +160,7 @@ def test_hugepage_tensor_is_zeroed_writable_and_outlives_views():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_compiled_reshape_and_cache_matches_twin(dtype, slot_dtype):
-    from kernels.torch_impl.cache import reshape_and_cache_torch
+    from kernels.torch_impl.cache import reshape_and_cache_index_copy
 
     num_blocks, block_size, hkv, d, tokens = 6, 16, 2, 64, 40
     gen = torch.Generator().manual_seed(3)
@@ -172,7 +172,7 @@ def test_compiled_reshape_and_cache_matches_twin(dtype, slot_dtype):
     slots[::7] = -1  # padding rows
     caches = [torch.zeros(num_blocks, block_size, hkv, d, dtype=dtype) for _ in range(4)]
     torch.ops.pagedserve.reshape_and_cache(key, value, caches[0], caches[1], slots.to(slot_dtype))
-    reshape_and_cache_torch(key, value, caches[2], caches[3], slots)
+    reshape_and_cache_index_copy(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].any()
 

@@ -13,7 +13,12 @@ import torch
 from kernels_testutil import make_paged_batch, naive_paged_attention, tolerance
 
 import kernels
-from kernels.torch_impl.attention import paged_decode_attention_torch
+from kernels.torch_impl.attention import paged_decode_attention_gather, paged_decode_attention_torch
+
+# The CPU decode twin (compiled op where built) and its pure-torch path (the fallback), tested alike.
+DECODE_CPU_IMPLS = pytest.mark.parametrize(
+    "decode", [paged_decode_attention_torch, paged_decode_attention_gather], ids=["twin", "gather"]
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,17 +37,18 @@ def test_reshape_and_cache_writes_slots_and_skips_padding():
     assert int((key_cache != 0).any(-1).any(-1).sum()) == 3  # only three slots written
 
 
+@DECODE_CPU_IMPLS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size",
     [(4, 4, 64, 16), (8, 2, 80, 32), (4, 1, 96, 16), (4, 2, 128, 32)],
 )
-def test_decode_twin_matches_naive(dtype, num_heads, num_kv_heads, head_size, block_size):
+def test_decode_twin_matches_naive(decode, dtype, num_heads, num_kv_heads, head_size, block_size):
     seq_lens = [1, 17, 45, 33]
     batch = make_paged_batch(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=1)
     query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
     scale = head_size ** -0.5
-    out = paged_decode_attention_torch(
+    out = decode(
         query, batch.key_cache, batch.value_cache, batch.block_tables,
         torch.tensor(seq_lens, dtype=torch.int32), scale,
     )
@@ -51,12 +57,13 @@ def test_decode_twin_matches_naive(dtype, num_heads, num_kv_heads, head_size, bl
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
 
 
+@DECODE_CPU_IMPLS
 @pytest.mark.parametrize("with_cpu_lens", [True, False])
-def test_decode_twin_sliding_window(with_cpu_lens):
+def test_decode_twin_sliding_window(decode, with_cpu_lens):
     seq_lens = [40, 70, 5]
     batch = make_paged_batch(seq_lens, 2, 64, 16, torch.float32, seed=2)
     query = torch.randn(3, 4, 64)
-    out = paged_decode_attention_torch(
+    out = decode(
         query, batch.key_cache, batch.value_cache, batch.block_tables,
         torch.tensor(seq_lens, dtype=torch.int32), 0.125, sliding_window=20,
         seq_lens_cpu=seq_lens if with_cpu_lens else None,
@@ -303,7 +310,7 @@ def test_decode_twin_grouping_is_invisible(sliding_window):
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), 0.125, sliding_window)
     for budget in (1, 40_000, 200_000, 1 << 30):
-        out = paged_decode_attention_torch(query, batch.key_cache, batch.value_cache, batch.block_tables, lens,
+        out = paged_decode_attention_gather(query, batch.key_cache, batch.value_cache, batch.block_tables, lens,
                                            0.125, sliding_window, seq_lens, gather_budget_bytes=budget)
         torch.testing.assert_close(out.double(), ref, **tolerance(torch.float32))
 
