@@ -110,10 +110,20 @@ class AsyncLLM:
         finished = False
         try:
             await asyncio.wrap_future(added)  # raises the processor's ValueError, if any
+            error: BaseException | None = None  # met while merging: raised after what came before it
             while True:
+                if error is not None:
+                    raise error
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                # Several steps' deltas waiting (a slow consumer, e.g. an HTTP stream): send them as one.
+                while stream_delta and not item.finished and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item.add(later)
                 finished = item.finished
                 yield item
                 if finished:

@@ -58,6 +58,31 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
 
+    def add(self, later: RequestOutput) -> None:
+        """Fold the next DELTA output of the same request into this one, so a consumer that fell behind
+        gets one output for several steps: text, tokens and logprobs append per completion index; the
+        finish state, cumulative logprob and metrics are the later one's."""
+        by_index = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            mine = by_index.get(c.index)
+            if mine is None:
+                self.outputs.append(c)
+                by_index[c.index] = c
+                continue
+            mine.text += c.text
+            mine.token_ids = mine.token_ids + c.token_ids
+            if c.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + c.logprobs
+            mine.cumulative_logprob = c.cumulative_logprob
+            mine.finish_reason = c.finish_reason
+            mine.stop_reason = c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.num_cached_tokens = later.num_cached_tokens
+
 
 @dataclass
 class EngineCoreOutput:

@@ -45,6 +45,39 @@ def test_streamed_deltas_equal_offline_output(async_llm, tiny_llama):
         assert finals == ["length"]  # exactly one output carries the finish reason
 
 
+def test_slow_consumer_gets_merged_deltas_that_add_up(async_llm, tiny_llama):
+    """A consumer that falls behind receives several steps' deltas as one output: fewer outputs, same
+    text, tokens and logprobs, and one finish reason, for each of n=2 completions."""
+    params = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=24, min_tokens=24, logprobs=2)
+
+    async def run(slow: bool):
+        pieces: dict[int, list] = {0: ["", [], [], []], 1: ["", [], [], []]}
+        count = 0
+        async for out in async_llm.generate("def fibonacci(n):", params):
+            count += 1
+            for c in out.outputs:
+                acc = pieces[c.index]
+                acc[0] += c.text
+                acc[1] += c.token_ids
+                acc[2] += c.logprobs or []
+                if c.finish_reason is not None:
+                    acc[3].append(c.finish_reason)
+            if slow:
+                await asyncio.sleep(0.05)  # several engine steps pass meanwhile
+        return pieces, count
+
+    fast, fast_count = asyncio.run(run(slow=False))
+    slow, slow_count = asyncio.run(run(slow=True))
+    assert slow_count < fast_count
+    for index in (0, 1):
+        assert slow[index][:2] == fast[index][:2]
+        assert len(slow[index][2]) == len(slow[index][1]) == 24
+        for token, slow_pos, fast_pos in zip(slow[index][1], slow[index][2], fast[index][2]):
+            assert token in slow_pos and slow_pos.keys() == fast_pos.keys()
+            assert slow_pos[token].logprob == pytest.approx(fast_pos[token].logprob, abs=1e-5)
+        assert slow[index][3] == ["length"]
+
+
 def test_abort_on_disconnect_frees_blocks(async_llm):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
