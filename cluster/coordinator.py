@@ -21,6 +21,7 @@ by the "incarnation" in its stats, are added to what it had counted before).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import OrderedDict
@@ -30,7 +31,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from engine.async_llm import EngineDeadError
+from engine.async_llm import EngineDeadError, EngineOverloadedError
 from engine.block_pool import BlockHash, hash_block_tokens
 from engine.outputs import RequestOutput
 
@@ -121,16 +122,18 @@ class DPCoordinator:
             hashes.append(parent)
         return hashes
 
-    def _candidates(self) -> list[EngineState]:
-        healthy = [e for e in self.engines if e.healthy]
+    def _candidates(self, exclude: frozenset[int] = frozenset()) -> list[EngineState]:
+        engines = [e for e in self.engines if e.index not in exclude]
+        healthy = [e for e in engines if e.healthy]
         if healthy:
             return healthy
-        reachable = [e for e in self.engines if e.available]
-        return reachable or list(self.engines)  # nothing better: stats may be stale, try (fails fast if dead)
+        reachable = [e for e in engines if e.available]
+        return reachable or engines  # nothing better: stats may be stale, try (fails fast if dead)
 
-    def choose_engine(self, prompt_token_ids: list[int]) -> int:
-        """Engine index for this prompt: load + prefix affinity + power of two choices."""
-        candidates = self._candidates()
+    def choose_engine(self, prompt_token_ids: list[int], exclude: frozenset[int] = frozenset()) -> int:
+        """Engine index for this prompt: load + prefix affinity + power of two choices, among the engines
+        not in `exclude` (there must be one)."""
+        candidates = self._candidates(exclude)
         if len(candidates) == 1:
             return candidates[0].index
         first, second = self._rng.sample(candidates, 2)
@@ -168,13 +171,36 @@ class DPCoordinator:
     ) -> AsyncIterator[RequestOutput]:
         """Route the request and stream its DELTA outputs.
 
-        Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError (the engine died
-        while serving this request). Stopping the iteration early aborts the request on its engine.
+        An engine that refuses the request as overloaded (before any output) is skipped and the request
+        routed to another; EngineOverloadedError reaches the caller only when every engine refused.
+        Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError (the engine died while
+        serving this request). Stopping the iteration early aborts the request on its engine.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         self._ensure_polling()
-        index = self.choose_engine(prompt_token_ids)
+        refused: set[int] = set()
+        while True:
+            index = self.choose_engine(prompt_token_ids, frozenset(refused))
+            produced = False
+            try:
+                # aclosing: an early stop by the consumer closes the engine stream now (abort, bookkeeping).
+                async with contextlib.aclosing(
+                    self._generate_on(index, request_id, prompt_token_ids, sampling_params, priority)
+                ) as outputs:
+                    async for output in outputs:
+                        produced = True
+                        yield output
+                return
+            except EngineOverloadedError:
+                refused.add(index)
+                if produced or len(refused) == len(self.engines):
+                    raise
+                logger.debug("engine %d overloaded, routing %s to another engine", index, request_id)
+
+    async def _generate_on(
+        self, index: int, request_id: str, prompt_token_ids: list[int], sampling_params: dict, priority: int
+    ) -> AsyncIterator[RequestOutput]:
         state = self.engines[index]
         self._remember_prefix(prompt_token_ids, index)
         state.in_flight += 1

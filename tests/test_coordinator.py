@@ -9,7 +9,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from cluster.coordinator import DPCoordinator
-from engine.async_llm import EngineDeadError
+from engine.async_llm import EngineDeadError, EngineOverloadedError
 from engine.outputs import CompletionOutput, RequestOutput
 
 BLOCK = 4
@@ -260,6 +260,45 @@ def test_engine_error_cause_is_unwrapped():
     with pytest.raises(ValueError, match="prompt: too long"):
         asyncio.run(run())
     assert coord.engines[0].available  # bad input does not mark the engine dead
+
+
+def _refusing(engine: FakeEngine):
+    """generate.remote for an engine whose request queue is full (the error arrives wrapped, as from Ray)."""
+
+    async def refuse(request_id, *args, **kwargs):
+        engine.requests.append(request_id)
+        yield _raise(RayTaskError("generate", "traceback", EngineOverloadedError("queue full")))
+
+    return _Method(refuse)
+
+
+def test_overloaded_engine_is_skipped_for_another():
+    coord, engines = _coordinator(3)
+    engines[0].generate = _refusing(engines[0])
+    engines[1].generate = _refusing(engines[1])
+
+    async def run():
+        return [[o async for o in coord.generate(f"r{i}", _prompt(i), {})] for i in range(6)]
+
+    results = asyncio.run(run())
+    assert all(outs[-1].finished and len(outs) == 5 for outs in results)
+    assert sorted(engines[2].requests) == [f"r{i}" for i in range(6)]  # every request ended up on engine 2
+    stats = coord.aggregate_stats()
+    assert stats["num_in_flight"] == 0 and all(e.available for e in coord.engines)
+
+
+def test_overload_reaches_the_caller_when_every_engine_refuses():
+    coord, engines = _coordinator(2)
+    for engine in engines:
+        engine.generate = _refusing(engine)
+
+    async def run():
+        return [o async for o in coord.generate("full", _prompt(0), {})]
+
+    with pytest.raises(EngineOverloadedError, match="queue full"):
+        asyncio.run(run())
+    assert [e.requests for e in engines] == [["full"], ["full"]]  # each tried once
+    assert coord.aggregate_stats()["num_in_flight"] == 0
 
 
 def test_refresh_stats_marks_dead_and_recovers_and_counters_stay_monotonic():
