@@ -508,7 +508,11 @@ class OpenAIServing:
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     chunk = CompletionResponse(id=request_id, created=created, model=self.model_name,
                                                choices=[choice])
-                    yield sse(chunk.model_dump(exclude={"usage"}))
+                    if request.continuous_usage:
+                        chunk.usage = _usage(prompts, completion_tokens)
+                        yield sse(chunk.model_dump())
+                    else:
+                        yield sse(chunk.model_dump(exclude={"usage"}))
             if request.include_usage:
                 chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
                                            usage=_usage(prompts, completion_tokens))
@@ -555,13 +559,16 @@ class OpenAIServing:
             return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                           usage=_usage(prompts, completion_tokens))
 
-        def chunk(choices: list[ChatStreamChoice]) -> str:
+        def chunk(choices: list[ChatStreamChoice], completion_tokens: int) -> str:
             body = ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices)
+            if request.continuous_usage:
+                body.usage = _usage(prompts, completion_tokens)
+                return sse(body.model_dump())
             return sse(body.model_dump(exclude={"usage"}))
 
         async def stream(first: tuple[int, RequestOutput], rest: AsyncIterator) -> AsyncIterator[str]:
             for idx in range(request.n):  # the role comes first, once per choice
-                yield chunk([ChatStreamChoice(index=idx, delta=ChatDelta(role="assistant", content=""))])
+                yield chunk([ChatStreamChoice(index=idx, delta=ChatDelta(role="assistant", content=""))], 0)
             completion_tokens = 0
             async for _, output in _chain(first, rest):
                 for c in output.outputs:
@@ -570,7 +577,8 @@ class OpenAIServing:
                         continue
                     logprobs = chat_logprobs(c, num_top, self.tokenizer) if want_logprobs else None
                     yield chunk([ChatStreamChoice(index=c.index, delta=ChatDelta(content=c.text), logprobs=logprobs,
-                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                                completion_tokens)
             if request.include_usage:
                 body = ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
                                            usage=_usage(prompts, completion_tokens))

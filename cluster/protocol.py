@@ -62,6 +62,7 @@ class OpenAIRequest(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class SamplingRequest(OpenAIRequest):
@@ -111,6 +112,11 @@ class SamplingRequest(OpenAIRequest):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM's `stream_options.continuous_usage_stats`)."""
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError

@@ -111,6 +111,22 @@ def test_completion_stream_equals_non_stream(client, http):
     assert chunks[-1].usage.prompt_tokens == prompt_tokens
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_on_every_chunk(client, endpoint):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "completions":
+        chunks = list(client.completions.create(model=MODEL, prompt="import os", max_tokens=8, temperature=0,
+                                                stream=True, stream_options=options))
+    else:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=8, temperature=0, stream=True, stream_options=options))
+    assert all(c.usage is not None for c in chunks)
+    completion = [c.usage.completion_tokens for c in chunks]
+    assert completion == sorted(completion) and completion[-1] == 8  # running totals, never decreasing
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
 def test_seeded_sampling_stream_equals_non_stream(client):
     kwargs = dict(model=MODEL, prompt="import os", max_tokens=10, temperature=0.9, seed=1234)
     full = client.completions.create(**kwargs).choices[0].text
