@@ -5,6 +5,7 @@ OpenAI-style error bodies and logprob formatting it uses. `cluster.serve_app` wi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -294,11 +295,12 @@ class OpenAIServing:
                            code="model_not_found")
 
     def check_api_key(self, authorization: str | None) -> None:
-        key = self.args.api_key
-        if key is None:
+        expected = self.args.api_key_digest
+        if expected is None:
             return
-        expected = f"Bearer {key}"
-        if authorization is None or not secrets.compare_digest(authorization.encode(), expected.encode()):
+        scheme, _, presented = (authorization or "").partition(" ")
+        digest = hashlib.sha256(presented.encode()).hexdigest()
+        if scheme != "Bearer" or not secrets.compare_digest(digest, expected):
             raise APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>`).",
                            type="authentication_error", code="invalid_api_key")
 

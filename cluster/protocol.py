@@ -9,6 +9,7 @@ configuration behind both `pagedserve serve` and the Serve app builder.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -422,6 +423,8 @@ class ServeArgs(EngineConfig):
     address: str | None = None
     data_parallel_size: int = Field(default=1, ge=1)
     api_key: str | None = Field(default_factory=_api_key_from_env, repr=False)
+    # What the replicas get instead of the key itself (Serve shows deployment args in its status).
+    api_key_sha256: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-f]{64}$")
     max_pending_requests: int = Field(default=1024, ge=1)
     num_cpus_per_engine: float = Field(default=1.0, ge=0.0)
     app_name: str = "pagedserve"
@@ -456,9 +459,19 @@ class ServeArgs(EngineConfig):
         kwargs["model"] = self.model
         return kwargs
 
+    @property
+    def api_key_digest(self) -> str | None:
+        """SHA-256 (hex) of the API key requests must present, or None when none is required."""
+        if self.api_key_sha256 is not None:  # shipped by to_dict: wins over a key in the replica's environment
+            return self.api_key_sha256
+        if self.api_key is not None:
+            return hashlib.sha256(self.api_key.encode()).hexdigest()
+        return None
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain values for `build_app(args)` (what a Serve config's `args:` would hold)."""
-        values = self.model_dump(exclude={"hf_config"}, exclude_unset=True) | {"model": self.model}
-        if self.api_key is not None:  # resolved from the environment here, not in the replica's
-            values["api_key"] = self.api_key
+        """Plain values for `build_app(args)` (what a Serve config's `args:` would hold). The API key
+        (resolved from the environment here, not in the replica's) travels as its SHA-256 only."""
+        values = self.model_dump(exclude={"hf_config", "api_key"}, exclude_unset=True) | {"model": self.model}
+        if self.api_key_digest is not None:
+            values["api_key_sha256"] = self.api_key_digest
         return values

@@ -46,7 +46,7 @@ def build_fastapi_app(serving: OpenAIServing) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if serving.args.api_key is not None and request.url.path not in OPEN_PATHS:
+        if serving.args.api_key_digest is not None and request.url.path not in OPEN_PATHS:
             try:
                 serving.check_api_key(request.headers.get("authorization"))
             except APIError as exc:

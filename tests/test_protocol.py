@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
@@ -177,6 +178,19 @@ def test_serve_args_defaults_and_engine_kwargs(tiny_llama, monkeypatch):
     assert ServeArgs.model_validate(args.to_dict()) == args  # build_app(args.to_dict()) sees the same thing
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert ServeArgs(model=str(tiny_llama)).api_key == "from-env"
+
+
+def test_serve_args_ship_only_the_api_key_digest(tiny_llama, monkeypatch):
+    """Serve shows deployment args in its status: the key itself must not be among them."""
+    monkeypatch.setenv(API_KEY_ENV, "s3cret-key")
+    args = ServeArgs(model=str(tiny_llama))
+    values = args.to_dict()
+    assert "api_key" not in values and "s3cret-key" not in repr(values)
+    monkeypatch.setenv(API_KEY_ENV, "another-key-in-the-replica")
+    replica = ServeArgs.model_validate(values)
+    assert replica.api_key_digest == args.api_key_digest == hashlib.sha256(b"s3cret-key").hexdigest()
+    with pytest.raises(ValidationError):
+        ServeArgs(model=str(tiny_llama), api_key_sha256="not-a-digest")
 
 
 @pytest.mark.parametrize(
