@@ -3,8 +3,8 @@
 Batch 32, context 1k, 32 query heads / 8 KV heads, head 128, block size 16, shuffled
 physical blocks. Prints the median time of each and the ratio paged / dense, for fp32 and bf16.
 "paged" is the entry point the engine calls (the compiled CPU op, kernels/cpu); the pure-torch
-path (gather + SDPA, the fallback where the op cannot build) is timed too. The dense baseline is SDPA with the query heads
-grouped per KV head ([B, Hkv, G, D]). Both caches sit on huge-page memory, as the engine's does
+path (gather + SDPA, the fallback where the op cannot build) is timed too. The dense baseline is
+SDPA with the query heads grouped per KV head ([B, Hkv, G, D]). Both caches sit on huge-page memory, as the engine's does
 (kernels.cpu.empty_hugepage_tensor), so the ratio is the cost of paging alone.
 
     python benchmarks/kernels.py [--batch 32] [--context 1024] [--iters 10] [--threads N]

@@ -90,7 +90,10 @@ def load_cpu_ops() -> bool:
 
 
 def cpu_ops_available() -> bool:
-    return load_cpu_ops()
+    """Whether torch.ops.pagedserve.* can be called (loads them on the first call). Called per op call,
+    so the answer, once known, is read without the lock."""
+    known = _state.get("ok")
+    return bool(known) if known is not None else load_cpu_ops()
 
 
 def cpu_ops_error() -> str | None:
