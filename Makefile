@@ -14,7 +14,7 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -r requirements-test.txt
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
-	$(PY) -m kernels.cpu || echo "compiled CPU ops did not build: the slower pure-torch kernels will run"
+	$(PY) -m pagedserve.kernels.cpu || echo "compiled CPU ops did not build: the slower pure-torch kernels will run"
 	touch $(STAMP)
 
 # The main job: serve the bundled default model over the OpenAI API on http://127.0.0.1:8000/v1

@@ -17,22 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the kernels package.
-_REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO_ROOT / "benchmarks"]
-sys.path.insert(0, str(_REPO_ROOT))
-
-from kernels import paged_decode_attention  # noqa: E402
-from kernels.cpu import cpu_ops_available, empty_hugepage_tensor  # noqa: E402
-from kernels.torch_impl.attention import paged_decode_attention_gather  # noqa: E402
+from pagedserve.kernels import paged_decode_attention
+from pagedserve.kernels.cpu import cpu_ops_available, empty_hugepage_tensor
+from pagedserve.kernels.torch_impl.attention import paged_decode_attention_gather
 
 
 def interleaved_medians(fns: list[Callable[[], object]], iters: int, warmup: int = 2) -> list[float]:

@@ -212,10 +212,9 @@ def vocab_ids_from_server(base_url: str, headers: dict[str, str], timeout: float
 def start_local_server(model: str, port: int, extra: dict) -> None:
     import os
 
-    sys.path.insert(0, str(ROOT))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from cluster.protocol import ServeArgs
-    from cluster.serve_app import start_server
+    from pagedserve.cluster.protocol import ServeArgs
+    from pagedserve.cluster.serve_app import start_server
 
     args = ServeArgs(model=model, port=port, **extra)
     print(f"starting a server for {args.model} on port {port} ...", file=sys.stderr, flush=True)
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
 
     if ns.start_server:
-        from cluster.ray_utils import free_port
+        from pagedserve.cluster.ray_utils import free_port
 
         port = ns.port or free_port()
         start_local_server(ns.model, port, {"kv_cache_memory": ns.kv_cache_memory, "block_size": ns.block_size,

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import LLM, SamplingParams  # noqa: E402
+from pagedserve.engine import LLM, SamplingParams  # noqa: E402
 
 MODEL_SHAPES = {
     # ~12M parameters

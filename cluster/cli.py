@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cluster.protocol import API_KEY_ENV, ServeArgs
+from pagedserve.cluster.protocol import API_KEY_ENV, ServeArgs
 
 
 def _flag(field: str) -> str:
@@ -96,7 +96,7 @@ def serve_args_from(ns: argparse.Namespace) -> ServeArgs:
 def cmd_serve(args: ServeArgs) -> int:
     from ray import serve
 
-    from cluster.serve_app import server_url, shutdown_server, start_server
+    from pagedserve.cluster.serve_app import server_url, shutdown_server, start_server
 
     print(f"pagedserve: model {args.model} (served as {args.model_name!r}); data parallel {args.data_parallel_size}, "
           f"tensor parallel {args.tensor_parallel_size}, pipeline parallel {args.pipeline_parallel_size}", flush=True)
@@ -123,8 +123,8 @@ def cmd_serve(args: ServeArgs) -> int:
 
 
 def cmd_generate(args: ServeArgs, ns: argparse.Namespace) -> int:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,

@@ -31,9 +31,9 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from engine.async_llm import EngineDeadError, EngineOverloadedError
-from engine.block_pool import BlockHash, hash_block_tokens
-from engine.outputs import RequestOutput
+from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagedserve.engine.block_pool import BlockHash, hash_block_tokens
+from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ import ray
 from ray.exceptions import ActorUnavailableError
 from pydantic import ValidationError
 
-from cluster.ray_utils import ensure_ray
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from pagedserve.cluster.ray_utils import ensure_ray
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from cluster.metrics import ServingMetrics
-from cluster.protocol import (
+from pagedserve.cluster.metrics import ServingMetrics
+from pagedserve.cluster.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -47,8 +47,8 @@ from cluster.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from engine.async_llm import EngineDeadError, EngineOverloadedError
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
 

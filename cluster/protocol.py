@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import ray
 
-from cluster.ray_utils import ensure_ray
-from cluster.worker_group import WorkerGroup, WorkerGroupOptions
-from engine.config import EngineConfig
-from engine.executor.base import Executor
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.cluster.ray_utils import ensure_ray
+from pagedserve.cluster.worker_group import WorkerGroup, WorkerGroupOptions
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.executor.base import Executor
+from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 def _use_gpu(config: EngineConfig) -> bool:

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP service on Ray Serve: a FastAPI app as the Serve ingress.
 
-`build_fastapi_app` wires an `OpenAIServing` (cluster.openai_serving: the request logic) to
+`build_fastapi_app` wires an `OpenAIServing` (pagedserve.cluster.openai_serving: the request logic) to
 routes, error handlers and the API key check. `PagedServeIngress` is the Serve deployment:
 its constructor starts the engine actors and the coordinator, then builds the FastAPI app for
 this replica (`__serve_build_asgi_app__`, so no app object is shared at module level).
-`build_app(args)` is the app builder for `serve run cluster.serve_app:build_app model=...` and
+`build_app(args)` is the app builder for `serve run pagedserve.cluster.serve_app:build_app model=...` and
 Serve config files; `start_server` / `shutdown_server` run it programmatically (the CLI, tests,
 the benchmark).
 """
@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from cluster.openai_serving import OPEN_PATHS, APIError, OpenAIServing, error_param, errors_message
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServeArgs, TokenizeRequest
+from pagedserve.cluster.openai_serving import OPEN_PATHS, APIError, OpenAIServing, error_param, errors_message
+from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServeArgs, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ class PagedServeIngress:
     """One replica: the engine actors it started, their coordinator, and the HTTP app in front."""
 
     async def __init__(self, args: dict) -> None:
-        from cluster.coordinator import DPCoordinator
-        from cluster.engine_actor import start_engine_actors
-        from engine.processor import load_tokenizer
+        from pagedserve.cluster.coordinator import DPCoordinator
+        from pagedserve.cluster.engine_actor import start_engine_actors
+        from pagedserve.engine.processor import load_tokenizer
 
         self.args = ServeArgs.model_validate(args)
         a = self.args
@@ -149,7 +149,7 @@ class PagedServeIngress:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Serve app builder: `serve run cluster.serve_app:build_app model=/path/to/model block_size=16`.
+    """Serve app builder: `serve run pagedserve.cluster.serve_app:build_app model=/path/to/model block_size=16`.
 
     `args` are `ServeArgs` fields (validated here, so a bad value fails before anything starts)."""
     validated = ServeArgs.model_validate(args)
@@ -161,7 +161,7 @@ def start_server(args: ServeArgs) -> Any:
     is ready. Returns the deployment handle (`.get_engine_info.remote().result()`)."""
     import os
 
-    from cluster.ray_utils import ensure_ray
+    from pagedserve.cluster.ray_utils import ensure_ray
 
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address

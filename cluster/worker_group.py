@@ -24,8 +24,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.ray_utils import free_port, node_ip, tcp_init_method
-from engine.config import EngineConfig
+from pagedserve.cluster.ray_utils import free_port, node_ip, tcp_init_method
+from pagedserve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class WorkerActor:
         return tcp_init_method(node_ip(), free_port())
 
     def init_worker(self, distributed_init_method: str) -> None:
-        from engine.worker import Worker
+        from pagedserve.engine.worker import Worker
 
         self.worker = Worker(self.config, rank=self.rank, distributed_init_method=distributed_init_method)
         self.worker.init_device()

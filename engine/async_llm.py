@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.output_processor import OutputKind
-from engine.outputs import RequestOutput, SchedulerStats
-from engine.processor import PromptType
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.output_processor import OutputKind
+from pagedserve.engine.outputs import RequestOutput, SchedulerStats
+from pagedserve.engine.processor import PromptType
+from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

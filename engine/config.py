@@ -151,3 +151,7 @@ class EngineConfig(BaseModel):
             )
         update = dict(hf_config=hf_config, max_model_len=max_model_len, max_num_batched_tokens=budget)
         return self.model_copy(update=update)
+
+
+# vLLM's name for the same thing: `EngineArgs(model=..., tensor_parallel_size=...)`.
+EngineArgs = EngineConfig

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 # Prompt tokens used as decoding context for the first output tokens (as vLLM).
 _PROMPT_CONTEXT_TOKENS = 5

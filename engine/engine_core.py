@@ -7,13 +7,13 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-from engine.config import EngineConfig
-from engine.executor.base import Executor
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import EngineCoreOutput, SchedulerStats
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.executor.base import Executor
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from pagedserve.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 
 
 class KVRequest(Protocol):

@@ -8,11 +8,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, SchedulerStats
-from engine.processor import PromptType
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import RequestOutput, SchedulerStats
+from pagedserve.engine.processor import PromptType
+from pagedserve.engine.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 

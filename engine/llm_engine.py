@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.output_processor import OutputKind, OutputProcessor, ParentRequest
-from engine.outputs import RequestOutput, SchedulerStats
-from engine.processor import Processor, PromptType, load_tokenizer
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedserve.engine.outputs import RequestOutput, SchedulerStats
+from pagedserve.engine.processor import Processor, PromptType, load_tokenizer
+from pagedserve.engine.request import RequestStatus
+from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

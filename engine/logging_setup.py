@@ -1,4 +1,4 @@
-"""pagedserve's log output: INFO and above from the `engine` and `cluster` loggers go to stderr, as
+"""pagedserve's log output: INFO and above from the `pagedserve` loggers go to stderr, as
 vLLM does, unless the application has configured logging itself (root or these loggers have handlers). Set PAGEDSERVE_LOG_LEVEL to
 change the level (e.g. WARNING to silence start-up messages)."""
 
@@ -10,7 +10,7 @@ import os
 _FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
 
-def configure_logging(names: tuple[str, ...] = ("engine", "cluster")) -> None:
+def configure_logging(names: tuple[str, ...] = ("pagedserve",)) -> None:
     level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
     if logging.getLogger().handlers:  # the application (or pytest) routes records itself
         return

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.models.registry import get_model_class
-from parallel.state import ParallelContext
+from pagedserve.engine.models.registry import get_model_class
+from pagedserve.parallel.state import ParallelContext
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.config import EngineConfig
-from engine.model_loader import load_model, resolve_dtype
-from engine.sampler import Sampler, SamplingState, compute_prompt_logprobs, make_generator
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kernels.cpu import empty_hugepage_tensor, load_cpu_ops
-from parallel.communication import pp_recv_tensors, pp_send_tensors
-from parallel.pipeline import IntermediateTensors
-from parallel.state import ParallelContext
+from pagedserve.engine.attention_metadata import AttentionMetadata
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.model_loader import load_model, resolve_dtype
+from pagedserve.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs, make_generator
+from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.kernels.cpu import empty_hugepage_tensor, load_cpu_ops
+from pagedserve.parallel.communication import pp_recv_tensors, pp_send_tensors
+from pagedserve.parallel.pipeline import IntermediateTensors
+from pagedserve.parallel.state import ParallelContext
 
 logger = logging.getLogger(__name__)
 

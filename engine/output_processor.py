@@ -10,9 +10,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 class OutputKind(enum.Enum):

@@ -10,9 +10,9 @@ import time
 from collections.abc import Mapping
 from typing import Any, Union
 
-from engine.config import EngineConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams, bad_words_token_ids
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids
 
 # A prompt: text, or a dict with "prompt_token_ids" (or "prompt").
 PromptType = Union[str, Mapping[str, Any]]

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from kernels import apply_top_k_top_p_min_p
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kernels import apply_top_k_top_p_min_p
 
 # (token_id, logprob, rank); rank is 1-based among the whole vocabulary.
 Logprob = tuple[int, float, int]

@@ -18,12 +18,12 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import EngineCoreOutput, SchedulerStats
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from kv_transfer.base import KVConnectorScheduler
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.kv_transfer.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import logging
 
 import torch
 
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from parallel.state import ParallelContext, destroy_distributed, init_distributed
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.parallel.state import ParallelContext, destroy_distributed, init_distributed
 
 logger = logging.getLogger(__name__)
 

@@ -4,12 +4,12 @@ The Triton modules (kernels.triton.*) are imported lazily inside the CUDA branch
 so the CPU path never imports triton.
 """
 
-from kernels.activation import silu_and_mul
-from kernels.attention import paged_decode_attention, paged_prefill_attention
-from kernels.cache import reshape_and_cache
-from kernels.norm import fused_add_rms_norm, rms_norm
-from kernels.rotary import compute_rope_cos_sin_cache, rotary_embedding
-from kernels.sampling import apply_top_k_top_p_min_p
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.attention import paged_decode_attention, paged_prefill_attention
+from pagedserve.kernels.cache import reshape_and_cache
+from pagedserve.kernels.norm import fused_add_rms_norm, rms_norm
+from pagedserve.kernels.rotary import compute_rope_cos_sin_cache, rotary_embedding
+from pagedserve.kernels.sampling import apply_top_k_top_p_min_p
 
 __all__ = [
     "apply_top_k_top_p_min_p",

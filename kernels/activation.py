@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.torch_impl.activation import silu_and_mul_torch
+from pagedserve.kernels.torch_impl.activation import silu_and_mul_torch
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -12,7 +12,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 0 or x.shape[-1] % 2 != 0:
         raise ValueError(f"x last dim must be even, got shape {tuple(x.shape)}")
     if x.is_cuda:
-        from kernels.triton.activation import silu_and_mul_triton
+        from pagedserve.kernels.triton.activation import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
     return silu_and_mul_torch(x)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._validate import check_dim, check_kv_cache, check_sliding_window
-from kernels.torch_impl.attention import paged_decode_attention_torch, paged_prefill_attention_torch
+from pagedserve.kernels._validate import check_dim, check_kv_cache, check_sliding_window
+from pagedserve.kernels.torch_impl.attention import paged_decode_attention_torch, paged_prefill_attention_torch
 
 
 def paged_decode_attention(
@@ -40,7 +40,7 @@ def paged_decode_attention(
             f"blocks of {key_cache.shape[1]}"
         )
     if query.is_cuda:
-        from kernels.triton.decode_attention import paged_decode_attention_triton
+        from pagedserve.kernels.triton.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, seq_lens_cpu
@@ -91,7 +91,7 @@ def paged_prefill_attention(
             f"{query.shape[0]}"
         )
     if query.is_cuda:
-        from kernels.triton.prefill_attention import paged_prefill_attention_triton
+        from pagedserve.kernels.triton.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,

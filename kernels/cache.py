@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._validate import check_dim
-from kernels.torch_impl.cache import reshape_and_cache_torch
+from pagedserve.kernels._validate import check_dim
+from pagedserve.kernels.torch_impl.cache import reshape_and_cache_torch
 
 
 def reshape_and_cache(
@@ -28,7 +28,7 @@ def reshape_and_cache(
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping length {slot_mapping.shape[0]} != number of key tokens {key.shape[0]}")
     if key_cache.is_cuda:
-        from kernels.triton.cache import reshape_and_cache_triton
+        from pagedserve.kernels.triton.cache import reshape_and_cache_triton
 
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.torch_impl.norm import fused_add_rms_norm_torch, rms_norm_torch
+from pagedserve.kernels.torch_impl.norm import fused_add_rms_norm_torch, rms_norm_torch
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -16,7 +16,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: fp32 statistics, result in x.dtype."""
     _check(x, weight)
     if x.is_cuda:
-        from kernels.triton.norm import rms_norm_triton
+        from pagedserve.kernels.triton.norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
@@ -30,7 +30,7 @@ def fused_add_rms_norm(
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if x.is_cuda:
-        from kernels.triton.norm import fused_add_rms_norm_triton
+        from pagedserve.kernels.triton.norm import fused_add_rms_norm_triton
 
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_torch(x, residual, weight, eps)

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from kernels._validate import check_dim
-from kernels.torch_impl.rotary import rotary_embedding_torch
+from pagedserve.kernels._validate import check_dim
+from pagedserve.kernels.torch_impl.rotary import rotary_embedding_torch
 
 
 def _inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -80,7 +80,7 @@ def rotary_embedding(
     if positions.shape[0] != query.shape[0] or key.shape[0] != query.shape[0]:
         raise ValueError(f"positions/key token counts {positions.shape[0]}/{key.shape[0]} != query {query.shape[0]}")
     if query.is_cuda:
-        from kernels.triton.rotary import rotary_embedding_triton
+        from pagedserve.kernels.triton.rotary import rotary_embedding_triton
 
         return rotary_embedding_triton(positions, query, key, cos_sin_cache, head_size, is_neox)
     return rotary_embedding_torch(positions, query, key, cos_sin_cache, head_size, is_neox)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._validate import check_dim
-from kernels.torch_impl.sampling import apply_top_k_top_p_min_p_torch
+from pagedserve.kernels._validate import check_dim
+from pagedserve.kernels.torch_impl.sampling import apply_top_k_top_p_min_p_torch
 
 
 def apply_top_k_top_p_min_p(
@@ -26,7 +26,7 @@ def apply_top_k_top_p_min_p(
             if param.shape[0] != logits.shape[0]:
                 raise ValueError(f"{name} length {param.shape[0]} != logits batch {logits.shape[0]}")
     if logits.is_cuda:
-        from kernels.triton.sampling import apply_top_k_top_p_min_p_triton
+        from pagedserve.kernels.triton.sampling import apply_top_k_top_p_min_p_triton
 
         return apply_top_k_top_p_min_p_triton(logits, top_k, top_p, min_p)
     return apply_top_k_top_p_min_p_torch(logits, top_k, top_p, min_p)

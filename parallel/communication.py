@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.state import ParallelContext
+from pagedserve.parallel.state import ParallelContext
 
 
 def tp_all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:

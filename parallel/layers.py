@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.communication import tp_all_gather, tp_all_reduce
-from parallel.state import ParallelContext
+from pagedserve.parallel.communication import tp_all_gather, tp_all_reduce
+from pagedserve.parallel.state import ParallelContext
 
 WeightLoader = Callable[..., None]
 

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.tiny_models import TINY_ARCHS, make_tiny_model, make_tokenizer  # noqa: E402
+from tests.tiny_models import TINY_ARCHS, make_tiny_model, make_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_llm import AsyncLLM, EngineOverloadedError
-from engine.config import EngineConfig
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
+from pagedserve.engine.config import EngineConfig
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+from pagedserve.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
 
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:

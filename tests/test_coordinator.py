@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from cluster.coordinator import DPCoordinator
-from engine.async_llm import EngineDeadError, EngineOverloadedError
-from engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.coordinator import DPCoordinator
+from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
 BLOCK = 4
 

@@ -89,7 +89,7 @@ def test_fibonacci_greedy_continuation_is_an_indented_body():
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_engine_greedy_equals_hf_on_bundled_models(kind):
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     path = MODELS[kind]
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -4,8 +4,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "héllo wörld 你好 🙂 the quick brown fox jumps over the lazy dog",

@@ -10,10 +10,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.coordinator import DPCoordinator  # noqa: E402
-from cluster.engine_actor import start_engine_actors, wait_engines_ready  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.async_llm import EngineDeadError  # noqa: E402
+from pagedserve.cluster.coordinator import DPCoordinator  # noqa: E402
+from pagedserve.cluster.engine_actor import start_engine_actors, wait_engines_ready  # noqa: E402
+from pagedserve.engine import LLM, SamplingParams  # noqa: E402
+from pagedserve.engine.async_llm import EngineDeadError  # noqa: E402
 
 BLOCK = 4
 PROMPTS = [[(7 * i + 13 * k) % 400 + 10 for k in range(6 + 3 * i)] for i in range(8)]
@@ -242,7 +242,7 @@ def test_engine_actor_with_tensor_parallel_worker_group(engines, engine_kwargs):
 
 def test_engine_loop_death_fails_requests_and_triggers_restart(engine_kwargs):
     """In-process (no Ray): when the engine loop dies, its request fails and the watchdog asks for a restart."""
-    from cluster.engine_actor import EngineActor
+    from pagedserve.cluster.engine_actor import EngineActor
 
     class RecordingActor(EngineActor):
         died = threading.Event()

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 from tests.tiny_models import TINY_ARCHS, VOCAB_SIZE
 
 MAX_NEW = 10

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-import engine.kv_cache_manager as kvm
-from engine.block_pool import BlockHash, hash_block_tokens
-from engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+import pagedserve.engine.kv_cache_manager as kvm
+from pagedserve.engine.block_pool import BlockHash, hash_block_tokens
+from pagedserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 
 BS = 4
 

@@ -19,10 +19,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.attention_metadata import AttentionMetadata
-from engine.model_loader import load_model, resolve_dtype
-from engine.models import get_model_class
-from parallel.state import ParallelContext
+from pagedserve.engine.attention_metadata import AttentionMetadata
+from pagedserve.engine.model_loader import load_model, resolve_dtype
+from pagedserve.engine.models import get_model_class
+from pagedserve.parallel.state import ParallelContext
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48

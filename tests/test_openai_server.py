@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.protocol import ServeArgs
+from pagedserve.cluster.protocol import ServeArgs
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -33,8 +33,8 @@ def server(tiny_model_factory):
     import ray
     from ray import serve
 
-    from cluster.ray_utils import free_port
-    from cluster.serve_app import server_url, start_server
+    from pagedserve.cluster.ray_utils import free_port
+    from pagedserve.cluster.serve_app import server_url, start_server
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -349,7 +349,7 @@ class ScriptedCoordinator:
         self.aborted: list[str] = []
 
     async def generate(self, request_id, prompt_token_ids, sampling_params, priority=0):
-        from engine.outputs import CompletionOutput, RequestOutput
+        from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
         if self.fail_at_start is not None:
             raise self.fail_at_start
@@ -383,9 +383,9 @@ class ScriptedCoordinator:
 
 @pytest.fixture()
 def make_app(tiny_llama):
-    from cluster.openai_serving import OpenAIServing
-    from cluster.serve_app import build_fastapi_app
-    from engine.processor import load_tokenizer
+    from pagedserve.cluster.openai_serving import OpenAIServing
+    from pagedserve.cluster.serve_app import build_fastapi_app
+    from pagedserve.engine.processor import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_llama))
 
@@ -422,7 +422,7 @@ def test_overload_is_503_with_retry_after(make_app):
 
 
 def test_engine_errors_map_to_status(make_app):
-    from engine.async_llm import EngineDeadError, EngineOverloadedError
+    from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 
     async def post(coordinator, **body):
         app = make_app(coordinator)

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from engine.model_loader import load_model
-from parallel.communication import pp_recv_tensors, pp_send_tensors, tp_all_gather, tp_all_reduce
-from parallel.layers import (
+from pagedserve.engine.model_loader import load_model
+from pagedserve.parallel.communication import pp_recv_tensors, pp_send_tensors, tp_all_gather, tp_all_reduce
+from pagedserve.parallel.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -22,8 +22,8 @@ from parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from parallel.pipeline import IntermediateTensors, layer_range
-from parallel.state import ParallelContext, destroy_distributed, init_distributed
+from pagedserve.parallel.pipeline import IntermediateTensors, layer_range
+from pagedserve.parallel.state import ParallelContext, destroy_distributed, init_distributed
 from tests.test_models_parity import COMMON, assert_parity, run_paged
 
 IN, OUT = 16, 24

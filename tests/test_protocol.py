@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster.cli import build_parser, serve_args_from
-from cluster.metrics import ServingMetrics, token_buckets
-from cluster.protocol import (
+from pagedserve.cluster.cli import build_parser, serve_args_from
+from pagedserve.cluster.metrics import ServingMetrics, token_buckets
+from pagedserve.cluster.protocol import (
     API_KEY_ENV,
     ChatCompletionRequest,
     CompletionRequest,
     ServeArgs,
     TokenizeRequest,
 )
-from cluster.openai_serving import MIN_LOGPROB, bad_request, chat_logprobs, completion_logprobs, sse
-from engine.outputs import CompletionOutput, Logprob
+from pagedserve.cluster.openai_serving import MIN_LOGPROB, bad_request, chat_logprobs, completion_logprobs, sse
+from pagedserve.engine.outputs import CompletionOutput, Logprob
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -234,9 +234,9 @@ def test_cli_bad_flag_exits_with_the_flag_named(tiny_llama, capsys):
 
 
 def test_cli_generate_runs_offline(tiny_llama, capsys):
-    from cluster.cli import main
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagedserve.cluster.cli import main
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
 
     rc = main(["generate", str(tiny_llama), "--prompt", "def fibonacci", "--max-tokens", "6", "--dtype", "float32",
                "--kv-cache-memory", "8MiB", "--block-size", "4"])
@@ -304,12 +304,12 @@ def test_serve_config_yaml_is_valid(tiny_llama):
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.serve_app import build_app
+    from pagedserve.cluster.serve_app import build_app
 
     config = yaml.safe_load((ROOT / "manifests" / "serve_config.yaml").read_text())
     schema = ServeDeploySchema.model_validate(config)
     app = schema.applications[0]
-    assert app.import_path == "cluster.serve_app:build_app" and app.route_prefix == "/"
+    assert app.import_path == "pagedserve.cluster.serve_app:build_app" and app.route_prefix == "/"
     args = ServeArgs.model_validate({**app.args, "model": str(tiny_llama)})  # the builder's validation
     assert args.model_name == "pagedserve-default"
     assert build_app({**app.args, "model": str(tiny_llama)}) is not None
@@ -328,11 +328,11 @@ def test_cli_serve_end_to_end(tiny_llama, tmp_path):
 
     import httpx
 
-    from cluster.ray_utils import free_port
+    from pagedserve.cluster.ray_utils import free_port
 
     port = free_port()
-    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", str(tiny_llama), "--port", str(port), "--dtype", "float32",
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "pagedserve.cluster.cli", "serve", str(tiny_llama), "--port", str(port), "--dtype", "float32",
            "--kv-cache-memory", "16MiB", "--block-size", "4", "--served-model-name", "tiny", "--api-key", "k"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     lines: queue.Queue = queue.Queue()

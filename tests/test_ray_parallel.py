@@ -9,6 +9,7 @@ rank, and the group's actors and placement group are gone afterwards.
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -18,11 +19,11 @@ ray = pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from cluster.worker_group import WorkerGroupError  # noqa: E402
-from engine import LLM  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
-from parallel.pipeline import layer_range  # noqa: E402
-from parallel.state import ParallelContext  # noqa: E402
+from pagedserve.cluster.worker_group import WorkerGroupError  # noqa: E402
+from pagedserve.engine import LLM  # noqa: E402
+from pagedserve.engine.model_loader import load_model  # noqa: E402
+from pagedserve.parallel.pipeline import layer_range  # noqa: E402
+from pagedserve.parallel.state import ParallelContext  # noqa: E402
 from tests.test_engine_parity import _hf_model, check_parity, random_prompts  # noqa: E402
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tensor_parallel_size, pipeline_parallel_size)
@@ -51,6 +52,10 @@ def executor_of(llm: LLM):
 
 
 def assert_group_released(pg, actors) -> None:
+    # remove_placement_group returns before the GCS records the removal: poll (bounded) for it.
+    deadline = time.monotonic() + 30
+    while placement_group_table(pg)["state"] != "REMOVED" and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert placement_group_table(pg)["state"] == "REMOVED"
     for actor in actors:
         with pytest.raises(RayActorError):
@@ -223,7 +228,7 @@ def test_raising_worker_fails_the_call_and_shuts_the_group_down(tiny_model_facto
 
 
 def test_ensure_ray_reuses_the_running_session():
-    from cluster.ray_utils import ensure_ray
+    from pagedserve.cluster.ray_utils import ensure_ray
 
     job = ray.get_runtime_context().get_job_id()
     ensure_ray(num_cpus=1)
@@ -232,8 +237,8 @@ def test_ensure_ray_reuses_the_running_session():
 
 
 def test_bad_group_options_name_the_field(tiny_model_factory):
-    from cluster.worker_group import WorkerGroupOptions
-    from engine.config import EngineConfig
+    from pagedserve.cluster.worker_group import WorkerGroupOptions
+    from pagedserve.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="num_cpus_per_worker"):
         WorkerGroupOptions(num_cpus_per_worker=0)
@@ -246,8 +251,8 @@ def test_bad_group_options_name_the_field(tiny_model_factory):
 
 
 def test_placement_group_that_cannot_be_placed_is_removed(tiny_model_factory):
-    from cluster.worker_group import WorkerGroup, WorkerGroupOptions
-    from engine.config import EngineConfig
+    from pagedserve.cluster.worker_group import WorkerGroup, WorkerGroupOptions
+    from pagedserve.engine.config import EngineConfig
 
     config = EngineConfig(model=str(tiny_model_factory("llama")), tensor_parallel_size=2).resolve()
     before = {pg_id for pg_id, info in placement_group_table().items() if info["state"] != "REMOVED"}

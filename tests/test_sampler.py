@@ -3,12 +3,12 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (
+from pagedserve.engine.sampler import (
     Sampler,
     SamplingState,
     compute_prompt_logprobs,
 )
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 V = 32
 
@@ -109,7 +109,7 @@ def test_repetition_penalty_matches_hf_processor():
     prompt, output = [1, 2, 7, 7], [9, 2, 30]
     expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits.clone())
     st = state(prompt=prompt, output=output, temperature=0, repetition_penalty=1.3, logprobs=0)
-    from engine.sampler import _apply_logits_processors
+    from pagedserve.engine.sampler import _apply_logits_processors
 
     got = _apply_logits_processors(logits, [st])
     torch.testing.assert_close(got, expected)

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.sampling_params import (
+from pagedserve.engine.sampling_params import (
     SamplingParams,
     SamplingType,
     bad_words_token_ids,

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 BS = 4
 EOS = 0

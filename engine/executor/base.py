@@ -7,13 +7,13 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # backend name -> "module:Class"; the one place that knows where executors live.
 _EXECUTOR_BACKENDS = {
-    "uni": "engine.executor.uniproc:UniProcExecutor",
-    "ray": "cluster.ray_executor:RayExecutor",
+    "uni": "pagedserve.engine.executor.uniproc:UniProcExecutor",
+    "ray": "pagedserve.cluster.ray_executor:RayExecutor",
 }
 
 

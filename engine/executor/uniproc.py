@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.executor.base import Executor
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.worker import Worker
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.executor.base import Executor
+from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.worker import Worker
 
 
 class UniProcExecutor(Executor):

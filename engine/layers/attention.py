@@ -23,8 +23,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-import kernels
-from engine.attention_metadata import AttentionMetadata
+from pagedserve import kernels
+from pagedserve.engine.attention_metadata import AttentionMetadata
 
 
 class KVLayerHooks(Protocol):

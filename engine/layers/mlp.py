@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from parallel.layers import MergedColumnParallelLinear, RowParallelLinear
-from parallel.state import ParallelContext
+from pagedserve import kernels
+from pagedserve.parallel.layers import MergedColumnParallelLinear, RowParallelLinear
+from pagedserve.parallel.state import ParallelContext
 
 
 class GatedMLP(nn.Module):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
+from pagedserve import kernels
 
 
 def rope_params_from_config(hf_config: Any) -> tuple[float, dict | None]:

@@ -15,17 +15,17 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
-from engine.layers import Attention, GatedMLP, KVLayerHooks, RMSNorm, RotaryEmbedding, rope_params_from_config
-from parallel.layers import (
+from pagedserve.engine.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers import Attention, GatedMLP, KVLayerHooks, RMSNorm, RotaryEmbedding, rope_params_from_config
+from pagedserve.parallel.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
 )
-from parallel.pipeline import IntermediateTensors, layer_range
-from parallel.state import ParallelContext
+from pagedserve.parallel.pipeline import IntermediateTensors, layer_range
+from pagedserve.parallel.state import ParallelContext
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

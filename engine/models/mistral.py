@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.llama import LlamaForCausalLM
+from pagedserve.engine.models.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mistral import MistralForCausalLM
-from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedserve.engine.models.llama import LlamaForCausalLM
+from pagedserve.engine.models.mistral import MistralForCausalLM
+from pagedserve.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

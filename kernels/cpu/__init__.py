@@ -5,7 +5,7 @@ avoids: paged decode attention reads K/V rows in place instead of gathering bloc
 paths stay the fallback (no C++ compiler) and the reference the compiled ops are tested against.
 """
 
-from kernels.cpu.build import cpu_ops_available, load_cpu_ops
-from kernels.cpu.memory import empty_hugepage_tensor
+from pagedserve.kernels.cpu.build import cpu_ops_available, load_cpu_ops
+from pagedserve.kernels.cpu.memory import empty_hugepage_tensor
 
 __all__ = ["cpu_ops_available", "empty_hugepage_tensor", "load_cpu_ops"]

@@ -1,9 +1,9 @@
-"""python -m kernels.cpu: build the compiled CPU ops ahead of time and say where they are."""
+"""python -m pagedserve.kernels.cpu: build the compiled CPU ops ahead of time and say where they are."""
 
 import logging
 import time
 
-from kernels.cpu.build import build_directory, cpu_ops_error, load_cpu_ops
+from pagedserve.kernels.cpu.build import build_directory, cpu_ops_error, load_cpu_ops
 
 logging.basicConfig(level=logging.INFO)
 start = time.perf_counter()

@@ -5,7 +5,7 @@ version, the compiler flags and this CPU's model and feature flags: a home direc
 of different CPUs never loads a library built for another. torch.utils.cpp_extension serialises
 concurrent builds of one directory (several Ray workers starting together) with a lock file.
 
-    python -m kernels.cpu     # build ahead of time (make install does), print where and how long
+    python -m pagedserve.kernels.cpu     # build ahead of time (make install does), print where and how long
 
 PAGEDSERVE_CPU_OPS=0 turns the compiled ops off (the twins run their pure-torch paths instead).
 """

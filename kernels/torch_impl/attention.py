@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.build import cpu_ops_available
+from pagedserve.kernels.cpu.build import cpu_ops_available
 
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

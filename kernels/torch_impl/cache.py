@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.build import cpu_ops_available
+from pagedserve.kernels.cpu.build import cpu_ops_available
 
 
 def reshape_and_cache_torch(

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._utils import next_pow2
+from pagedserve.kernels.triton._utils import next_pow2
 
 
 @triton.jit

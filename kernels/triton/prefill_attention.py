@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._utils import dot_precision, interpreting
-from kernels.triton.paged_blocks import attend_paged_blocks
+from pagedserve.kernels.triton._utils import dot_precision, interpreting
+from pagedserve.kernels.triton.paged_blocks import attend_paged_blocks
 
 
 @triton.jit

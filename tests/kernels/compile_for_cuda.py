@@ -7,22 +7,20 @@ per compiled kernel and exits non-zero on the first failure.
 from __future__ import annotations
 
 import inspect
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from kernels.triton.activation import _silu_and_mul_kernel  # noqa: E402
-from kernels.triton.cache import _reshape_and_cache_kernel  # noqa: E402
-from kernels.triton.decode_attention import _decode_kernel, _decode_reduce_kernel  # noqa: E402
-from kernels.triton.norm import _rms_norm_kernel  # noqa: E402
-from kernels.triton.prefill_attention import _prefill_kernel  # noqa: E402
-from kernels.triton.rotary import _rotary_kernel  # noqa: E402
-from kernels.triton.sampling import _top_k_top_p_min_p_kernel  # noqa: E402
+import triton
+from pagedserve.kernels.triton.activation import _silu_and_mul_kernel
+from pagedserve.kernels.triton.cache import _reshape_and_cache_kernel
+from pagedserve.kernels.triton.decode_attention import (
+    _decode_kernel,
+    _decode_reduce_kernel,
+)
+from pagedserve.kernels.triton.norm import _rms_norm_kernel
+from pagedserve.kernels.triton.prefill_attention import _prefill_kernel
+from pagedserve.kernels.triton.rotary import _rotary_kernel
+from pagedserve.kernels.triton.sampling import _top_k_top_p_min_p_kernel
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 80, 32)
 

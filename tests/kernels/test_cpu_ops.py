@@ -6,17 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from kernels_testutil import make_paged_batch, naive_paged_attention, tolerance
 
-import kernels
-from kernels.cpu import cpu_ops_available, empty_hugepage_tensor
-from kernels.torch_impl.attention import paged_decode_attention_gather
+from pagedserve import kernels
+from pagedserve.kernels.cpu import cpu_ops_available, empty_hugepage_tensor
+from pagedserve.kernels.torch_impl.attention import paged_decode_attention_gather
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def compiled_decode(query, batch, seq_lens, scale, sliding_window=None):
@@ -115,9 +113,10 @@ def test_compiled_decode_rejects_mismatched_dtypes():
 
 
 FALLBACK_SCRIPT = """
-import logging, torch, kernels
+import logging, torch
+from pagedserve import kernels
 logging.basicConfig(level=logging.WARNING)
-from kernels.cpu.build import cpu_ops_available, cpu_ops_error
+from pagedserve.kernels.cpu.build import cpu_ops_available, cpu_ops_error
 q = torch.randn(2, 4, 32); kc = torch.randn(4, 16, 2, 32); vc = torch.randn(4, 16, 2, 32)
 bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32); sl = torch.tensor([20, 3], dtype=torch.int32)
 out = kernels.paged_decode_attention(q, kc, vc, bt, sl, 0.25)
@@ -132,9 +131,9 @@ def test_falls_back_to_torch_twin(tmp_path, how):
     if how == "switched off":
         env["PAGEDSERVE_CPU_OPS"] = "0"
     else:  # a compile error stands for any failed build (no compiler, no ninja)
-        script = "import kernels.cpu.build as b; b.CFLAGS = b.CFLAGS + ['-DPAGEDSERVE_NO_SUCH_HEADER', " \
+        script = "import pagedserve.kernels.cpu.build as b; b.CFLAGS = b.CFLAGS + ['-DPAGEDSERVE_NO_SUCH_HEADER', " \
                  "'-include', 'no/such/header.h']\n" + script
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     ok, *_, nonzero = result.stdout.split()
@@ -160,7 +159,7 @@ def test_hugepage_tensor_is_zeroed_writable_and_outlives_views():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_compiled_reshape_and_cache_matches_twin(dtype, slot_dtype):
-    from kernels.torch_impl.cache import reshape_and_cache_index_copy
+    from pagedserve.kernels.torch_impl.cache import reshape_and_cache_index_copy
 
     num_blocks, block_size, hkv, d, tokens = 6, 16, 2, 64, 40
     gen = torch.Generator().manual_seed(3)

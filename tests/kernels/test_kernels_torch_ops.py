@@ -6,21 +6,19 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from kernels_testutil import make_paged_batch, naive_paged_attention, tolerance
 
-import kernels
-from kernels.torch_impl.attention import paged_decode_attention_gather, paged_decode_attention_torch
+from pagedserve import kernels
+from pagedserve.kernels.torch_impl.attention import paged_decode_attention_gather, paged_decode_attention_torch
 
 # The CPU decode twin (compiled op where built) and its pure-torch path (the fallback), tested alike.
 DECODE_CPU_IMPLS = pytest.mark.parametrize(
     "decode", [paged_decode_attention_torch, paged_decode_attention_gather], ids=["twin", "gather"]
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_reshape_and_cache_writes_slots_and_skips_padding():
@@ -276,7 +274,8 @@ def test_entry_points_reject_bad_shapes():
 
 
 CPU_PATH_SCRIPT = """
-import sys, torch, kernels
+import sys, torch
+from pagedserve import kernels
 q = torch.randn(2, 4, 16); kc = torch.randn(4, 16, 2, 16); vc = torch.randn(4, 16, 2, 16)
 bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32); sl = torch.tensor([20, 3], dtype=torch.int32)
 kernels.reshape_and_cache(torch.randn(2, 2, 16), torch.randn(2, 2, 16), kc, vc, torch.tensor([0, -1]))
@@ -289,13 +288,13 @@ kernels.rotary_embedding(torch.tensor([1, 2]), torch.randn(2, 64), torch.randn(2
 kernels.silu_and_mul(torch.randn(3, 8))
 kernels.apply_top_k_top_p_min_p(torch.randn(2, 9), torch.tensor([2, 0]), torch.tensor([0.9, 1.0]),
                                 torch.tensor([0.1, 0.0]))
-print(sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "kernels.triton"))))
+print(sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "pagedserve.kernels.triton"))))
 """
 
 
-def test_cpu_path_never_imports_triton():
+def test_cpu_path_never_imports_triton(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c", CPU_PATH_SCRIPT], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", CPU_PATH_SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -10,23 +10,23 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from kernels_testutil import make_paged_batch, naive_paged_attention, tolerance  # noqa: E402
 
-from kernels.torch_impl.activation import silu_and_mul_torch  # noqa: E402
-from kernels.torch_impl.attention import (  # noqa: E402
+from pagedserve.kernels.torch_impl.activation import silu_and_mul_torch  # noqa: E402
+from pagedserve.kernels.torch_impl.attention import (  # noqa: E402
     paged_decode_attention_torch,
     paged_prefill_attention_torch,
 )
-from kernels.torch_impl.norm import fused_add_rms_norm_torch, rms_norm_torch  # noqa: E402
-from kernels.torch_impl.rotary import rotary_embedding_torch  # noqa: E402
-from kernels.torch_impl.sampling import apply_top_k_top_p_min_p_torch  # noqa: E402
-from kernels.triton.activation import silu_and_mul_triton  # noqa: E402
-from kernels.triton.cache import reshape_and_cache_triton  # noqa: E402
-from kernels.triton.decode_attention import paged_decode_attention_triton  # noqa: E402
-from kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kernels.triton.prefill_attention import paged_prefill_attention_triton  # noqa: E402
-from kernels.triton.rotary import rotary_embedding_triton  # noqa: E402
-from kernels.triton.sampling import apply_top_k_top_p_min_p_triton  # noqa: E402
+from pagedserve.kernels.torch_impl.norm import fused_add_rms_norm_torch, rms_norm_torch  # noqa: E402
+from pagedserve.kernels.torch_impl.rotary import rotary_embedding_torch  # noqa: E402
+from pagedserve.kernels.torch_impl.sampling import apply_top_k_top_p_min_p_torch  # noqa: E402
+from pagedserve.kernels.triton.activation import silu_and_mul_triton  # noqa: E402
+from pagedserve.kernels.triton.cache import reshape_and_cache_triton  # noqa: E402
+from pagedserve.kernels.triton.decode_attention import paged_decode_attention_triton  # noqa: E402
+from pagedserve.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from pagedserve.kernels.triton.prefill_attention import paged_prefill_attention_triton  # noqa: E402
+from pagedserve.kernels.triton.rotary import rotary_embedding_triton  # noqa: E402
+from pagedserve.kernels.triton.sampling import apply_top_k_top_p_min_p_triton  # noqa: E402
 
-import kernels  # noqa: E402
+from pagedserve import kernels  # noqa: E402
 
 
 @pytest.mark.parametrize("key_dtype", [torch.bfloat16, torch.float32])
@@ -164,8 +164,8 @@ def test_top_k_top_p_min_p_triton_matches_twin(which):
 
 def test_dispatch_picks_triton_for_cuda_tensors(monkeypatch):
     """Entry points route CUDA tensors to the Triton launchers (spied here: no GPU on CI) and CPU to the twin."""
-    import kernels.triton.decode_attention as decode_mod
-    import kernels.triton.norm as norm_mod
+    import pagedserve.kernels.triton.decode_attention as decode_mod
+    import pagedserve.kernels.triton.norm as norm_mod
 
     calls = []
     monkeypatch.setattr(decode_mod, "paged_decode_attention_triton", lambda *a, **k: calls.append("decode"))

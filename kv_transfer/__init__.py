@@ -1,0 +1,1 @@
+"""KV connectors: ship a prompt's KV cache between engines (prefill -> decode)."""
