@@ -28,7 +28,7 @@ generate: install
 test: install
 	$(PY) -m pytest -q $(ARGS)
 
-# Offline throughput against HF transformers (issue 2): small and medium models, bf16.
+# Offline throughput against HF transformers: small and medium models, bf16.
 bench: install
 	$(PY) benchmarks/throughput.py $(ARGS)
 
