@@ -213,7 +213,7 @@ def start_local_server(model: str, port: int, extra: dict) -> None:
     import os
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from pagedserve.cluster.protocol import ServeArgs
+    from pagedserve.cluster.serving.settings import ServeArgs
     from pagedserve.cluster.serve_app import start_server
 
     args = ServeArgs(model=model, port=port, **extra)

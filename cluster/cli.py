@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagedserve.cluster.protocol import API_KEY_ENV, ServeArgs
+from pagedserve.cluster.serving.settings import API_KEY_ENV, ServeArgs
 
 
 def _flag(field: str) -> str:

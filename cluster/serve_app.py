@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP service on Ray Serve: a FastAPI app as the Serve ingress.
 
-`build_fastapi_app` wires an `OpenAIServing` (pagedserve.cluster.openai_serving: the request logic) to
-routes, error handlers and the API key check. `PagedServeIngress` is the Serve deployment:
-its constructor starts the engine actors and the coordinator, then builds the FastAPI app for
-this replica (`__serve_build_asgi_app__`, so no app object is shared at module level).
+`pagedserve.cluster.serving` holds the request logic and the FastAPI app (`build_fastapi_app`).
+`PagedServeIngress` is the Serve deployment: its constructor starts the engine actors and the
+coordinator, then builds the FastAPI app for this replica (`__serve_build_asgi_app__`, so no app object is shared at module level).
 `build_app(args)` is the app builder for `serve run pagedserve.cluster.serve_app:build_app model=...` and
 Serve config files; `start_server` / `shutdown_server` run it programmatically (the CLI, tests,
 the benchmark).
@@ -15,80 +14,16 @@ import asyncio
 import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 from ray import serve
 
-from pagedserve.cluster.openai_serving import OPEN_PATHS, APIError, OpenAIServing, error_param, errors_message
-from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServeArgs, TokenizeRequest
+from pagedserve.cluster.serving.app import build_fastapi_app
+from pagedserve.cluster.serving.core import OpenAIServing
+from pagedserve.cluster.serving.settings import ServeArgs
 
 logger = logging.getLogger(__name__)
 
-
-# --------------------------------------------------------------------------- FastAPI app
-
-
-def build_fastapi_app(serving: OpenAIServing) -> FastAPI:
-    """Routes, error handlers and the API key check around one `OpenAIServing`."""
-    app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving", docs_url=None, redoc_url=None)
-    app.state.serving = serving
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = list(exc.errors())
-        serving.metrics.observe_error(400)
-        return APIError(400, errors_message(errors), param=error_param(errors[0]) if errors else None).response()
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if serving.args.api_key_digest is not None and request.url.path not in OPEN_PATHS:
-            try:
-                serving.check_api_key(request.headers.get("authorization"))
-            except APIError as exc:
-                return exc.response()
-        return await call_next(request)
-
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await serving.create_completion(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        return await serving.create_chat_completion(request)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return serving.list_models().model_dump()
-
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> dict:
-        return serving.tokenize(request).model_dump()
-
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> dict:
-        return serving.detokenize(request).model_dump()
-
-    @app.get("/health")
-    async def health() -> Response:
-        await serving.coordinator.refresh_stats()
-        return serving.health()
-
-    @app.get("/ping")
-    async def ping() -> Response:
-        await serving.coordinator.refresh_stats()
-        return serving.health()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        await serving.coordinator.refresh_stats()  # exact counters at scrape time
-        return serving.render_metrics()
-
-    return app
+__all__ = ["PagedServeIngress", "build_app", "build_fastapi_app", "server_url", "shutdown_server", "start_server"]
 
 
 # --------------------------------------------------------------------------- Ray Serve

@@ -194,6 +194,12 @@ class KVCacheManager:
         """Physical block ids of the request in logical order ([] if it holds none)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def uncache_blocks(self, request_id: str) -> None:
+        """Forget the prefix-cache hashes of the request's blocks: a failed forward pass may have left
+        their contents incomplete, so no later request may reuse them. Call before freeing."""
+        for block in self.req_to_blocks.get(request_id, ()):
+            self.block_pool.uncache_block(block)
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 

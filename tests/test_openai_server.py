@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.cluster.protocol import ServeArgs
+from pagedserve.cluster.serving.settings import ServeArgs
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -383,8 +383,8 @@ class ScriptedCoordinator:
 
 @pytest.fixture()
 def make_app(tiny_llama):
-    from pagedserve.cluster.openai_serving import OpenAIServing
-    from pagedserve.cluster.serve_app import build_fastapi_app
+    from pagedserve.cluster.serving.app import build_fastapi_app
+    from pagedserve.cluster.serving.core import OpenAIServing
     from pagedserve.engine.processor import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_llama))

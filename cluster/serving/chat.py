@@ -1,0 +1,81 @@
+"""`POST /v1/chat/completions`: chat completions over the model's chat template, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import Response
+
+from pagedserve.cluster.serving.core import OpenAIServing
+from pagedserve.cluster.serving.errors import bad_request
+from pagedserve.cluster.serving.formatting import chat_logprobs, sse, usage
+from pagedserve.cluster.serving.requests import ChatCompletionRequest
+from pagedserve.cluster.serving.responses import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    ChatStreamChoice,
+)
+from pagedserve.cluster.serving.streams import EncodedPrompt, chain, collect
+from pagedserve.engine.outputs import RequestOutput
+
+
+async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest) -> Response:
+    serving.check_model(request.model)
+    try:
+        conversation = request.conversation()
+    except ValueError as exc:
+        raise bad_request(exc) from None
+    ids = serving.encode_chat(conversation, request.chat_template, request.add_generation_prompt,
+                              request.continue_final_message)
+    serving.check_prompt_length(ids, "messages")
+    prompts = [EncodedPrompt(0, None, ids)]
+    params = [serving.sampling_params(request, serving.max_tokens_for(request, len(ids), default_applies=False))]
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    num_top = request.top_logprobs or 0
+    want_logprobs = request.logprobs
+    tokenizer = serving.tokenizer
+    model_name = serving.model_name
+
+    async def collect_response(first: tuple[int, RequestOutput], rest: AsyncIterator) -> ChatCompletionResponse:
+        collected = await collect(first, rest, request.n)
+        choices = [
+            ChatChoice(index=idx, message=ChatMessage(content=choice.text),
+                       logprobs=chat_logprobs(choice.output, num_top, tokenizer) if want_logprobs else None,
+                       finish_reason=choice.output.finish_reason, stop_reason=choice.output.stop_reason)
+            for idx, choice in sorted(collected.choices.items())
+        ]
+        return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                      usage=usage(prompts, collected.completion_tokens))
+
+    def chunk(choices: list[ChatStreamChoice], completion_tokens: int) -> str:
+        body = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices)
+        if request.continuous_usage:
+            body.usage = usage(prompts, completion_tokens)
+            return sse(body.model_dump())
+        return sse(body.model_dump(exclude={"usage"}))
+
+    async def stream(first: tuple[int, RequestOutput], rest: AsyncIterator) -> AsyncIterator[str]:
+        for idx in range(request.n):  # the role comes first, once per choice
+            yield chunk([ChatStreamChoice(index=idx, delta=ChatDelta(role="assistant", content=""))], 0)
+        completion_tokens = 0
+        async for _, output in chain(first, rest):
+            for c in output.outputs:
+                completion_tokens += len(c.token_ids)
+                if not c.text and c.finish_reason is None and (not want_logprobs or not c.token_ids):
+                    continue
+                logprobs = chat_logprobs(c, num_top, tokenizer) if want_logprobs else None
+                yield chunk([ChatStreamChoice(index=c.index, delta=ChatDelta(content=c.text), logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                            completion_tokens)
+        if request.include_usage:
+            body = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
+                                       usage=usage(prompts, completion_tokens))
+            yield sse(body.model_dump())
+
+    return await serving.run(request, request_id, prompts, params, stream, collect_response)

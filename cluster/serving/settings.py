@@ -1,0 +1,83 @@
+"""`ServeArgs`: the one validated configuration behind `pagedserve serve` and the Serve app builder."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from pagedserve.engine.config import EngineConfig
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "assets" / "default-model"
+DEFAULT_MODEL_NAME = "pagedserve-default"
+
+
+def _api_key_from_env() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
+
+
+class ServeArgs(EngineConfig):
+    """`pagedserve serve` / `build_app` arguments: the engine's `EngineConfig` fields plus the service's."""
+
+    model: str | None = Field(default=None, validate_default=True)  # type: ignore[assignment]
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    address: str | None = None
+    data_parallel_size: int = Field(default=1, ge=1)
+    api_key: str | None = Field(default_factory=_api_key_from_env, repr=False)
+    # What the replicas get instead of the key itself (Serve shows deployment args in its status).
+    api_key_sha256: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-f]{64}$")
+    max_pending_requests: int = Field(default=1024, ge=1)
+    num_cpus_per_engine: float = Field(default=1.0, ge=0.0)
+    app_name: str = "pagedserve"
+
+    @field_validator("model")
+    @classmethod
+    def _resolve_model(cls, v: str | None) -> str:
+        if v is None:
+            if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+                raise ValueError(
+                    f"no MODEL given and the bundled default model is missing at {DEFAULT_MODEL_DIR}; "
+                    "pass a model directory (an HF-format folder with config.json and safetensors)"
+                )
+            return str(DEFAULT_MODEL_DIR)
+        if not os.path.isdir(v):
+            raise ValueError(f"{v!r} is not a local directory (pagedserve loads HF-format folders)")
+        return v
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in `model` (served_model_name, else the model argument as given)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if Path(self.model) == DEFAULT_MODEL_DIR:  # type: ignore[arg-type]
+            return DEFAULT_MODEL_NAME
+        return self.model  # type: ignore[return-value]
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `EngineConfig`: the engine fields that were set, plus the model."""
+        fields = set(EngineConfig.model_fields) - {"hf_config"}
+        kwargs = {k: getattr(self, k) for k in fields if k in self.model_fields_set}
+        kwargs["model"] = self.model
+        return kwargs
+
+    @property
+    def api_key_digest(self) -> str | None:
+        """SHA-256 (hex) of the API key requests must present, or None when none is required."""
+        if self.api_key_sha256 is not None:  # shipped by to_dict: wins over a key in the replica's environment
+            return self.api_key_sha256
+        if self.api_key is not None:
+            return hashlib.sha256(self.api_key.encode()).hexdigest()
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for `build_app(args)` (what a Serve config's `args:` would hold). The API key
+        (resolved from the environment here, not in the replica's) travels as its SHA-256 only."""
+        values = self.model_dump(exclude={"hf_config", "api_key"}, exclude_unset=True) | {"model": self.model}
+        if self.api_key_digest is not None:
+            values["api_key_sha256"] = self.api_key_digest
+        return values

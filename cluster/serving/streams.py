@@ -1,0 +1,155 @@
+"""Engine output streams of one HTTP request: merging several prompts' streams, timing them for the
+metrics, and collecting DELTA outputs into whole choices."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedserve.cluster.metrics import ServingMetrics
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+
+_END = object()
+
+
+@dataclass
+class EncodedPrompt:
+    """One prompt of a request, tokenized: its position in the batch, its text (if given as text), its ids."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class RequestTimer:
+    """Per-request latency bookkeeping for the metrics (TTFT, inter-token, e2e)."""
+
+    metrics: ServingMetrics
+    prompt_tokens: int
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    generated: int = 0
+    finish_reason: str | None = None
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if num_tokens:
+            if self.first is None:
+                self.first = now
+                self.metrics.observe_first_token(now - self.start)
+            else:
+                self.metrics.observe_inter_token(now - self.last)  # type: ignore[operator]
+            self.last = now
+            self.generated += num_tokens
+        for c in output.outputs:
+            if c.finish_reason is not None:
+                self.finish_reason = c.finish_reason
+        if output.finished:
+            self.metrics.observe_finished(now - self.start, self.prompt_tokens, self.generated, self.finish_reason)
+
+
+async def timed(stream: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[RequestOutput]:
+    """Pass a stream through, feeding each output to `timer`."""
+    try:
+        async for output in stream:
+            timer.on_output(output)
+            yield output
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output); closing this closes them all (aborts)."""
+    if len(streams) == 1:
+        stream = streams[0]
+        try:
+            async for output in stream:
+                yield 0, output
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, _END))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()  # closes each stream inside its task: the coordinator aborts unfinished requests
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def chain(first: tuple[int, RequestOutput], rest: AsyncIterator) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The first (already awaited) item, then the rest of the stream."""
+    yield first
+    async for item in rest:
+        yield item
+
+
+@dataclass
+class CollectedChoice:
+    """One choice's DELTA outputs joined: the whole output and, for the request, its prompt index."""
+
+    prompt_index: int
+    output: CompletionOutput
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+@dataclass
+class Collected:
+    """Every choice of a request, by choice index (prompt index * n + the engine's index)."""
+
+    choices: dict[int, CollectedChoice] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.output.token_ids) for c in self.choices.values())
+
+
+async def collect(first: tuple[int, RequestOutput], rest: AsyncIterator, n: int) -> Collected:
+    """Join a request's DELTA outputs (from `merge_streams`) into whole choices."""
+    result = Collected()
+    async for i, output in chain(first, rest):
+        if output.prompt_logprobs is not None and i not in result.prompt_logprobs:
+            result.prompt_logprobs[i] = output.prompt_logprobs
+        for c in output.outputs:
+            idx = i * n + c.index
+            choice = result.choices.get(idx)
+            if choice is None:
+                whole = CompletionOutput(idx, "", [], None, [] if c.logprobs is not None else None)
+                choice = result.choices[idx] = CollectedChoice(i, whole)
+            acc = choice.output
+            choice.texts.append(c.text)
+            acc.token_ids.extend(c.token_ids)
+            if c.logprobs is not None and acc.logprobs is not None:
+                acc.logprobs.extend(c.logprobs)
+            if c.finish_reason is not None:
+                acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+    return result

@@ -1,0 +1,26 @@
+"""`GET /v1/models`, `/health`, `/ping` and `/metrics`."""
+
+from __future__ import annotations
+
+from fastapi.responses import Response
+
+from pagedserve.cluster.serving.core import OpenAIServing
+from pagedserve.cluster.serving.errors import APIError
+from pagedserve.cluster.serving.responses import ModelCard, ModelList
+
+
+def list_models(serving: OpenAIServing) -> ModelList:
+    return ModelList(data=[ModelCard(id=serving.model_name, root=serving.args.model,
+                                     max_model_len=serving.max_model_len)])
+
+
+def health(serving: OpenAIServing) -> Response:
+    if serving.coordinator.is_healthy():
+        return Response(status_code=200)
+    return APIError(503, "an engine is unreachable or has stopped making progress with work waiting",
+                    type="service_unavailable_error", code="unhealthy").response()
+
+
+def render_metrics(serving: OpenAIServing) -> Response:
+    body, content_type = serving.metrics.render()
+    return Response(content=body, media_type=content_type)
