@@ -1,7 +1,8 @@
 """The KV cache manager: which blocks each request owns, prefix-cache lookups, and hit stats.
 
 The scheduler talks to this class only. A request (duck-typed) provides `request_id`,
-`all_token_ids`, `num_tokens`, `num_computed_tokens` and `cache_salt`.
+`all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`, `num_preemptions` and
+`skip_reading_prefix_cache`.
 
 Per request the manager keeps its block list, the hashes of its full blocks (extended
 incrementally as tokens arrive, never recomputed) and how many of its blocks are
@@ -23,18 +24,31 @@ class KVRequest(Protocol):
     all_token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
+    num_preemptions: int
 
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool: ...
+
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache counters, in tokens (requests counts first allocations)."""
+    """Prefix-cache counters, in tokens (requests counts first allocations).
+
+    Each request's prompt is counted once, when it is first scheduled. A preempted request
+    that resumes looks up the cache again; that lookup goes to the `preempted_*` counters so it
+    does not inflate the hit rate (it mostly hits its own blocks). A request that does not read
+    the cache (prompt logprobs) is not a query.
+    """
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -97,9 +111,10 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of the request, and the tokens they hold.
 
         The hit stops short of the last token, which must be recomputed to produce logits.
+        A request that skips reading the cache (prompt logprobs) gets no hit.
         Ref counts and stats are untouched: `allocate_slots` takes the references.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = max(0, request.num_tokens - 1) // self.block_size
@@ -161,8 +176,8 @@ class KVCacheManager:
 
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, min(num_total_tokens, len(request.all_token_ids)))
-        if first_allocation:
-            self._record_stats(request.num_tokens, num_new_computed_tokens)
+        if first_allocation and self.enable_caching and not request.skip_reading_prefix_cache:
+            self._record_stats(request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0)
         return new_blocks
 
     def _cache_full_blocks(self, request: KVRequest, req_blocks: list[KVCacheBlock], num_known_tokens: int) -> None:
@@ -175,11 +190,16 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
         self.num_cached_blocks[rid] = num_full
 
-    def _record_stats(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def _record_stats(self, num_query_tokens: int, num_hit_tokens: int, resumed: bool) -> None:
         for stats in (self._stats, self.total_prefix_cache_stats):
-            stats.requests += 1
-            stats.queries += num_query_tokens
-            stats.hits += num_hit_tokens
+            if resumed:
+                stats.preempted_requests += 1
+                stats.preempted_queries += num_query_tokens
+                stats.preempted_hits += num_hit_tokens
+            else:
+                stats.requests += 1
+                stats.queries += num_query_tokens
+                stats.hits += num_hit_tokens
 
     def free(self, request: KVRequest) -> None:
         """Release all of the request's blocks, tail first (so the tail is evicted before the prefix)."""

@@ -57,6 +57,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
     # When the request was first scheduled (metrics).
     scheduled_time: float | None = None
+    # Prompt logprob entries already reported (recompute after a preemption must not repeat them).
+    num_prompt_logprobs_sent: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -76,6 +78,29 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need the logits of every prompt position, so such a request computes its
+        whole prompt instead of reusing cached blocks (its own blocks still enter the cache)."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    def take_new_prompt_logprobs(self, chunk_start: int, entries: list) -> list | None:
+        """The part of a chunk's prompt logprobs not reported yet, or None if there is none.
+
+        A chunk computed from position `chunk_start` carries the entries of prompt tokens
+        chunk_start + 1 onward (token 0 too, as None, when it starts at 0). After a preemption
+        the prompt is computed again from the start: entries already reported are dropped.
+        """
+        first = 0 if chunk_start == 0 else chunk_start + 1
+        if first > self.num_prompt_logprobs_sent:
+            raise ValueError(
+                f"entries: prompt logprobs of request {self.request_id} skip positions "
+                f"{self.num_prompt_logprobs_sent}..{first - 1}"
+            )
+        new = entries[self.num_prompt_logprobs_sent - first :]
+        self.num_prompt_logprobs_sent += len(new)
+        return new or None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -195,7 +195,11 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_external = 0
-            if self.kv_connector is not None and request.num_preemptions == 0:
+            if (
+                self.kv_connector is not None
+                and request.num_preemptions == 0
+                and not request.skip_reading_prefix_cache  # it must compute every prompt position
+            ):
                 num_external = self.kv_connector.get_num_new_matched_tokens(request, num_cached)
             num_new = request.num_tokens - num_cached - num_external
             if num_new > budget and not self.enable_chunked_prefill:
@@ -329,7 +333,8 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None:  # finished (aborted) while its batch was running
                 continue
-            prompt_left = max(0, request.num_prompt_tokens - (request.num_computed_tokens - num_tokens))
+            chunk_start = request.num_computed_tokens - num_tokens
+            prompt_left = max(0, request.num_prompt_tokens - chunk_start)
             self.num_prompt_tokens += min(num_tokens, prompt_left)
             new_token_ids: list[int] = []
             token = runner_output.sampled_token_ids.get(rid)
@@ -339,6 +344,8 @@ class Scheduler:
                 self.num_generation_tokens += 1
                 self._check_stop(request)
             prompt_logprobs = runner_output.prompt_logprobs.get(rid)
+            if prompt_logprobs is not None:
+                prompt_logprobs = request.take_new_prompt_logprobs(chunk_start, prompt_logprobs)
             if not new_token_ids and prompt_logprobs is None:
                 continue
             logprobs = runner_output.logprobs.get(rid)

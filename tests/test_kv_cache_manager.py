@@ -22,6 +22,8 @@ class Req:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    num_preemptions: int = 0
+    skip_reading_prefix_cache: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -227,6 +229,36 @@ def test_stats_count_only_reused_tokens():
     assert m.make_prefix_cache_stats() == PrefixCacheStats(requests=1, queries=11, hits=8)
     assert m.make_prefix_cache_stats() == PrefixCacheStats()
     assert m.total_prefix_cache_stats == PrefixCacheStats(requests=2, queries=21, hits=8)
+
+
+def test_stats_count_each_prompt_once_across_preemption():
+    m = KVCacheManager(16, BS)
+    a = Req("a", list(range(10)))
+    schedule_prefill(m, a)
+    assert m.make_prefix_cache_stats() == PrefixCacheStats(requests=1, queries=10, hits=0)
+    # Preempted: its blocks are freed; on resuming it hits its own two full blocks.
+    m.free(a)
+    a.num_computed_tokens = 0
+    a.num_preemptions = 1
+    _, _, num_hit = schedule_prefill(m, a)
+    assert num_hit == 8
+    assert m.make_prefix_cache_stats() == PrefixCacheStats(preempted_requests=1, preempted_queries=10, preempted_hits=8)
+    total = m.total_prefix_cache_stats
+    assert (total.requests, total.queries, total.hits, total.hit_rate) == (1, 10, 0, 0.0)
+
+
+def test_request_that_skips_reading_the_cache_gets_no_hit_and_is_no_query():
+    m = KVCacheManager(16, BS)
+    schedule_prefill(m, Req("a", list(range(10))))
+    m.make_prefix_cache_stats()
+    b = Req("b", list(range(10)), skip_reading_prefix_cache=True)
+    assert m.get_computed_blocks(b) == ([], 0)
+    new, _, _ = schedule_prefill(m, b)
+    assert len(new) == 3
+    assert m.make_prefix_cache_stats() == PrefixCacheStats()
+    # Its blocks are not registered twice: a's blocks stay the ones a later reader hits.
+    hit, num_hit = m.get_computed_blocks(Req("c", list(range(10))))
+    assert num_hit == 8 and [x.block_id for x in hit] == m.get_block_ids("a")[:2]
 
 
 def test_block_hashes_are_incremental():

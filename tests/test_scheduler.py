@@ -417,6 +417,18 @@ def test_fcfs_preempts_newest_and_resumes_it_first(caching: bool) -> None:
     h.assert_drained()
 
 
+def test_prefix_cache_stats_count_each_prompt_once_across_preemption() -> None:
+    h = Harness(num_blocks=6, max_num_seqs=2)
+    h.add(make_request("A", prompt(8, 1), 8), make_request("B", prompt(8, 21), 8, arrival=1.0))
+    h.run()
+    assert h.sched.num_preemptions == 1  # B resumed and hit its own two surviving blocks
+    stats = h.sched.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (16, 0)
+    total = h.kv.total_prefix_cache_stats
+    assert (total.preempted_requests, total.preempted_queries, total.preempted_hits) == (1, 13, 8)
+    h.assert_drained()
+
+
 def test_priority_waiting_queue_serves_lowest_value_first() -> None:
     order = {}
     for policy in ("priority", "fcfs"):
