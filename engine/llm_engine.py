@@ -11,7 +11,7 @@ from pagedserve.engine.output_processor import OutputKind, OutputProcessor, Pare
 from pagedserve.engine.outputs import RequestOutput, SchedulerStats
 from pagedserve.engine.processor import Processor, PromptType, load_tokenizer
 from pagedserve.engine.request import RequestStatus
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams, derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class LLMEngine:
         for index in range(params.n):
             child_params = params.model_copy(update={"n": 1})
             if params.seed is not None:
-                child_params.seed = params.seed + index  # distinct but reproducible samples
+                child_params.seed = derive_seed(params.seed, index)  # distinct but reproducible samples
             child_id = f"{request_id}#{index}"
             _, child = self.processor.process(child_id, {"prompt_token_ids": request.prompt_token_ids}, child_params,
                                               priority, arrival_time)

@@ -1,7 +1,11 @@
 """Input processing: validate and tokenize a prompt, resolve its limits, and build a `Request`.
 
 Everything a request can get wrong is caught here, before it reaches the scheduler,
-with a ValueError that names the field.
+with a ValueError that names the field: token ids (prompt, logit_bias, stop_token_ids,
+allowed_token_ids, bad_words as tokenized) in [0, vocab_size); logprobs and
+prompt_logprobs <= max_logprobs; priority in [-2**63, 2**63 - 1]; a prompt shorter than
+max_model_len; and an explicitly set max_tokens with prompt + max_tokens <= max_model_len
+(the default max_tokens is capped to the room left instead, as the OpenAI server does).
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from typing import Any, Union
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.request import Request
-from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids
+from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids, check_token_ids
 
 # A prompt: text, or a dict with "prompt_token_ids" (or "prompt").
 PromptType = Union[str, Mapping[str, Any]]
+
+PRIORITY_MIN = -(2**63)
+PRIORITY_MAX = 2**63 - 1
 
 
 def load_tokenizer(path: str):
@@ -89,6 +96,21 @@ class Processor:
             raise ValueError(f"prompt_logprobs: at most {limit} are allowed, got {params.prompt_logprobs}")
         params.verify_vocab(self.vocab_size)
 
+    def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """Output tokens the request may generate: max_tokens if set by the caller (refused when the
+        prompt and it exceed max_model_len), else the room left (None, or the default, capped)."""
+        max_len = self.config.max_model_len
+        room = max_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return room
+        if "max_tokens" in params.model_fields_set and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens: the model's maximum context length is {max_len} tokens; the request needs "
+                f"{num_prompt_tokens + params.max_tokens} ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} for the completion)"
+            )
+        return min(params.max_tokens, room)
+
     def process(
         self,
         request_id: str,
@@ -99,14 +121,17 @@ class Processor:
     ) -> tuple[str | None, Request]:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: expected a SamplingParams")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise ValueError(f"priority: expected an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError("priority: set scheduling_policy='priority' to use request priorities")
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         self.validate_params(params)
-        room = self.config.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = self.resolve_max_tokens(params, len(ids))
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
+        # The tokenizer may know more tokens than the model's vocabulary (added tokens).
+        check_token_ids("bad_words", [t for word in bad_words for t in word], self.vocab_size)
         request = Request(
             request_id=request_id,
             prompt_token_ids=ids,

@@ -3,6 +3,14 @@
 Validation happens once, here, at construction (and on assignment), so the sampler
 and detokenizer can trust every field. Errors are pydantic `ValidationError`s, which
 subclass `ValueError`, and always name the offending field.
+
+Ranges (the HTTP API mirrors them): n and best_of in [1, 128] (best_of == n only);
+seed in [-2**63, 2**64 - 1] (what torch.Generator takes; children of n > 1 use
+`derive_seed`); top_k -1 or 0 (disabled) or >= 1 (the sampler clamps it to the
+vocabulary); max_tokens >= 1; at most 64 stop strings; at most 1024 entries in each of
+logit_bias, stop_token_ids, bad_words, allowed_token_ids; logit_bias values clamped to
+[-100, 100]. Limits that need the model (token ids in [0, vocab), logprobs <=
+max_logprobs, lengths vs max_model_len) are checked by the processor.
 """
 
 from __future__ import annotations
@@ -14,7 +22,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # Temperatures below this are treated as greedy (argmax) sampling, as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Biases are clamped to [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (the OpenAI range).
 LOGIT_BIAS_LIMIT = 100.0
+# Every value torch.Generator.manual_seed accepts: negative seeds act as their two's complement.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+# Completions per request (n, best_of): OpenAI's limit.
+MAX_N = 128
+# Stop strings per request: each one is searched in the new text of every step.
+MAX_STOP_STRINGS = 64
+# Entries in logit_bias, stop_token_ids, bad_words and allowed_token_ids: bounds per-step work.
+MAX_TOKEN_LIST = 1024
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of an n > 1 request: distinct per index, always a valid
+    generator seed (wraps modulo 2**64; index 0 draws exactly what the parent seed draws)."""
+    return (seed + index) % 2**64
 
 
 class SamplingType(enum.IntEnum):
@@ -32,18 +56,19 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only best_of == n (or None) is supported
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = 0  # 0 or -1 disable; otherwise >= 1
+    top_k: int = 0  # 0 or -1 disable; otherwise >= 1 (above the vocabulary: the whole vocabulary)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    logit_bias: dict[int, float] | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    logit_bias: dict[int, float] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_TOKEN_LIST)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = Field(default=16, ge=1)
@@ -52,7 +77,9 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    bad_words: list[str] = Field(default_factory=list)
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_TOKEN_LIST)
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None = the whole vocabulary.
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_TOKEN_LIST)
     detokenize: bool = True
 
     @field_validator("top_k")
@@ -83,11 +110,11 @@ class SamplingParams(BaseModel):
     def _none_to_list(cls, v: Any) -> Any:
         return [] if v is None else v
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _check_stop_token_ids(cls, v: list[int]) -> list[int]:
-        if any(t < 0 for t in v):
-            raise ValueError(f"stop_token_ids must be non-negative, got {v}")
+    def _check_token_ids(cls, v: list[int] | None, info: Any) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError(f"{info.field_name} must be non-negative, got {[t for t in v if t < 0][:8]}")
         return v
 
     @field_validator("logit_bias")
@@ -111,6 +138,8 @@ class SamplingParams(BaseModel):
             )
         if self.stop and not self.detokenize:
             raise ValueError("stop strings require detokenize=True")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of == n is supported (got best_of={self.best_of}, n={self.n})")
         return self
 
     @property
@@ -133,10 +162,16 @@ class SamplingParams(BaseModel):
         for name, ids in (
             ("logit_bias", list(self.logit_bias or ())),
             ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or []),
         ):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token ids {bad} are outside the vocabulary (size {vocab_size})")
+            check_token_ids(name, ids, vocab_size)
+
+
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    """ValueError naming `name` unless every id is in [0, vocab_size)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name}: token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
 
 
 def bad_words_token_ids(bad_words: list[str], tokenizer: _Encoder) -> list[list[int]]:
