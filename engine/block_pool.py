@@ -174,6 +174,10 @@ class BlockPool:
             del self.cached_block_hash_to_block[h]
         block.block_hash = None
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Drop the block's hash so no prefix lookup finds it (its contents are not to be trusted)."""
+        self._evict(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks (prefix hits); a free one leaves the free queue."""
         for block in blocks:

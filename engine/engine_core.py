@@ -1,4 +1,12 @@
-"""The engine core: scheduler + executor + KV cache, stepped one batch at a time."""
+"""The engine core: scheduler + executor + KV cache, stepped one batch at a time.
+
+A failure inside a step ends only the requests it concerns: a request whose own work
+failed (the runner reports it in `ModelRunnerOutput.failed`) is finished with
+finish_reason "error" and its blocks freed while the rest of the batch goes on; when
+the forward pass itself raises, every request of that batch is finished that way
+(their blocks leave the prefix cache: their contents may be incomplete) and the engine
+keeps serving.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.sampler import describe_failure
 from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -66,8 +75,43 @@ class EngineCore:
             return []
         scheduler_output = self.scheduler.schedule()
         # Run even an empty step: it carries the finished request ids the workers must forget.
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as exc:
+            return self._fail_batch(scheduler_output, exc)
+        return self._update_from_output(scheduler_output, runner_output)
+
+    def _update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        if runner_output.failed:
+            logger.error("requests failed in this step (the rest of the batch goes on): %s", runner_output.failed)
+            outputs += self._finish_with_error(runner_output.failed)
+        return outputs
+
+    def _fail_batch(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """The step raised where no single request can be blamed: finish the batch's requests with an
+        error, drop their blocks from the prefix cache, and stay up for the next requests."""
+        logger.error("a step failed; failing the %d requests of its batch", len(so.num_scheduled_tokens), exc_info=exc)
+        message = f"the engine step running this request failed: {describe_failure(exc)}"
+        outputs = self.scheduler.update_from_output(so, ModelRunnerOutput(sampled_token_ids={}))
+        for rid in so.num_scheduled_tokens:
+            self.kv_cache_manager.uncache_blocks(rid)
+        return outputs + self._finish_with_error({rid: message for rid in so.num_scheduled_tokens})
+
+    def _finish_with_error(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        finished = self.scheduler.finish_requests(errors, RequestStatus.FINISHED_ERROR)
+        return [
+            EngineCoreOutput(
+                request_id=r.request_id,
+                new_token_ids=[],
+                finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+                error=errors[r.request_id],
+                num_cached_tokens=r.num_cached_tokens,
+                num_preemptions=r.num_preemptions,
+                first_scheduled_time=r.scheduled_time,
+            )
+            for r in finished
+        ]
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Keep the pipeline full: hand out a new batch while earlier ones are still running, and only
@@ -79,16 +123,23 @@ class EngineCore:
                 if len(self._batch_queue) < self.max_concurrent_batches:
                     return []
             elif not self._batch_queue:
-                return self.scheduler.update_from_output(scheduler_output, self.executor.execute_model(scheduler_output))
+                try:
+                    runner_output = self.executor.execute_model(scheduler_output)
+                except Exception as exc:
+                    return self._fail_batch(scheduler_output, exc)
+                return self._update_from_output(scheduler_output, runner_output)
         if not self._batch_queue:
             return []
         scheduler_output, future = self._batch_queue.popleft()
         try:
             runner_output = future.result()
-        except BaseException:
-            self._batch_queue.clear()  # the executor failed: later batches will not come back either
-            raise
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        except Exception as exc:
+            # The pipeline broke: the batches behind this one will not come back either.
+            outputs = self._fail_batch(scheduler_output, exc)
+            while self._batch_queue:
+                outputs += self._fail_batch(self._batch_queue.popleft()[0], exc)
+            return outputs
+        return self._update_from_output(scheduler_output, runner_output)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -8,7 +8,9 @@ sees exactly what an in-process one does. Sequences are ordered decodes first
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +19,7 @@ import torch
 from pagedserve.engine.attention_metadata import AttentionMetadata
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.model_loader import load_model, resolve_dtype
-from pagedserve.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs, make_generator
+from pagedserve.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs, describe_failure
 from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.cpu import empty_hugepage_tensor, load_cpu_ops
 from pagedserve.parallel.communication import pp_recv_tensors, pp_send_tensors
@@ -66,6 +68,10 @@ class ModelRunner:
         self.is_driver = self.is_last_stage and parallel.tp_rank == 0
         self.requests: dict[str, RunnerRequestState] = {}
         self.sampler = Sampler(seed=config.seed)
+        # Test hook, off (None) by default: called as fault_injector(stage, request_id) with stage
+        # "forward" before the model runs (a raise fails the whole batch) and "sample" before a
+        # request's row is sampled (a raise fails that request alone).
+        self.fault_injector: Callable[[str, str], None] | None = None
         self.model: torch.nn.Module | None = None
         self.kv_caches: KVCaches = []
         self.kv_hooks = None  # worker half of a KV connector (kv_transfer.base.KVConnectorWorker)
@@ -113,9 +119,9 @@ class ModelRunner:
                     params=params,
                     prompt_token_ids=list(new.prompt_token_ids),
                     output_token_ids=output_ids,
-                    generator=make_generator(params.seed) if params.seed is not None else None,
                     bad_words_token_ids=new.bad_words_token_ids,
                     eos_token_ids=set(new.eos_token_ids),
+                    request_id=new.req_id,
                 ),
                 prompt_logprobs=params.prompt_logprobs,
             )
@@ -198,6 +204,9 @@ class ModelRunner:
         batch = self._plan_batch(so)
         input_ids, positions, metadata = self._prepare_inputs(batch)
 
+        if self.fault_injector is not None:
+            for rid in batch.req_ids:
+                self.fault_injector("forward", rid)
         intermediate = None
         if not self.is_first_stage:
             intermediate = IntermediateTensors(**pp_recv_tensors(self.parallel, device=self.device))
@@ -215,23 +224,32 @@ class ModelRunner:
             pp_send_tensors(hidden.to_dict(), self.parallel)
             return None
 
-        prompt_logprobs = self._compute_prompt_logprobs(batch, hidden)
-        output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
+        output = ModelRunnerOutput(sampled_token_ids={})
+        output.prompt_logprobs = self._compute_prompt_logprobs(batch, hidden, output.failed)
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows])
             if self.is_driver:
                 states = [self.requests[rid].sampling for rid in batch.sample_req_ids]
+                self.sampler.fault_injector = (
+                    None if self.fault_injector is None else functools.partial(self.fault_injector, "sample")
+                )
                 sampled = self.sampler.sample(logits, states)
-                for rid, token, logprobs in zip(batch.sample_req_ids, sampled.token_ids, sampled.logprobs):
-                    output.sampled_token_ids[rid] = token
-                    if logprobs is not None:
-                        output.logprobs[rid] = logprobs
+                for row, rid in enumerate(batch.sample_req_ids):
+                    if row in sampled.errors:
+                        output.failed[rid] = sampled.errors[row]
+                        continue
+                    output.sampled_token_ids[rid] = sampled.token_ids[row]
+                    if sampled.logprobs[row] is not None:
+                        output.logprobs[rid] = sampled.logprobs[row]
+        for rid in output.failed:
+            output.prompt_logprobs.pop(rid, None)
         return output if self.is_driver else None
 
     def _compute_prompt_logprobs(
-        self, batch: _Batch, hidden: torch.Tensor
+        self, batch: _Batch, hidden: torch.Tensor, failed: dict[str, str]
     ) -> dict[str, list[list[tuple[int, float, int]] | None]]:
-        """Logprobs of the prompt tokens covered by this step's chunk (token 0 gets None)."""
+        """Logprobs of the prompt tokens covered by this step's chunk (token 0 gets None); a request
+        whose computation raises goes to `failed` instead."""
         result: dict[str, list[list[tuple[int, float, int]] | None]] = {}
         offset = 0
         for rid, ql, start in zip(batch.req_ids, batch.query_lens, batch.start_positions):
@@ -247,6 +265,10 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[row0 : row0 + (end - start)])
                 targets = torch.tensor(state.token_ids[start + 1 : end + 1], dtype=torch.long, device=logits.device)
                 if self.is_driver:
-                    entries.extend(compute_prompt_logprobs(logits, targets, state.prompt_logprobs))
+                    try:
+                        entries.extend(compute_prompt_logprobs(logits, targets, state.prompt_logprobs))
+                    except Exception as exc:
+                        failed[rid] = describe_failure(exc)
+                        continue
             result[rid] = entries
         return result

@@ -33,6 +33,7 @@ class ParentRequest:
     n: int
     children: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
+    error: str | None = None  # the first child's error
 
 
 @dataclass
@@ -53,6 +54,7 @@ class RequestState:
     num_tokens_returned: int = 0
     num_logprobs_returned: int = 0
     prompt_logprobs_returned: bool = False
+    error: str | None = None  # the engine failed this request (finish_reason "error")
 
 
 class OutputProcessor:
@@ -105,6 +107,8 @@ class OutputProcessor:
                 continue
             self._record_metrics(state, out, now)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if out.error is not None:
+                state.error = out.error
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(
                     None if e is None else _logprob_entry(self.tokenizer, e) for e in out.new_prompt_logprobs
@@ -180,6 +184,7 @@ class OutputProcessor:
             request_id = parent.request_id
             parent.children[state.index] = completion
             parent.num_finished += int(finished)
+            parent.error = parent.error or state.error
             all_finished = parent.num_finished == parent.n
             if kind == OutputKind.FINAL_ONLY:
                 if not all_finished:
@@ -202,4 +207,5 @@ class OutputProcessor:
             finished=all_finished,
             metrics=state.metrics,
             num_cached_tokens=state.metrics.num_cached_tokens,
+            error=state.error if parent is None else parent.error,
         )

@@ -57,6 +57,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # Set when the engine failed this request (its completions then have finish_reason "error").
+    error: str | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold the next DELTA output of the same request into this one, so a consumer that fell behind
@@ -82,6 +84,7 @@ class RequestOutput:
         self.finished = later.finished
         self.metrics = later.metrics
         self.num_cached_tokens = later.num_cached_tokens
+        self.error = later.error or self.error
 
 
 @dataclass
@@ -99,6 +102,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # With finish_reason "error": what failed (reaches the request's client).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

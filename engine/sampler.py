@@ -9,11 +9,19 @@ Order of operations per row (vLLM-like):
 
 The exponential race (argmax of probs / Exp(1) noise) draws a request's noise from its own
 generator when it has one, so a seeded request samples the same tokens whatever else is
-in the batch. Per-row Python work is done only for rows whose parameters need it.
+in the batch. That generator is made on the device of the logits it samples (CUDA
+sampling needs a CUDA generator). Per-row Python work is done only for rows whose
+parameters need it.
+
+Failures are kept to their request: the per-row work (logits processors, a seeded
+row's noise) runs guarded, a row that raises is reported in `SamplerOutput.errors` and
+left out of the rest of the step, and the other rows sample exactly as they would
+without it (no generator has drawn before a row is dropped).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +34,9 @@ Logprob = tuple[int, float, int]
 
 # Exponential noise of exactly 0 would turn a zero probability into NaN (0/0).
 _MIN_NOISE = 1e-20
+
+# Test hook: called with a request id before its row is processed; raising fails that request.
+FaultInjector = Callable[[str], None]
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -46,6 +57,15 @@ class SamplingState:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Blocked (with params.stop_token_ids) while len(output_token_ids) < params.min_tokens.
     eos_token_ids: set[int] = field(default_factory=set)
+    request_id: str = ""
+
+    def generator_for(self, device: torch.device) -> torch.Generator | None:
+        """The request's own generator on `device` (made there on first use); None if unseeded."""
+        if self.params.seed is None:
+            return None
+        if self.generator is None or self.generator.device != device:
+            self.generator = make_generator(self.params.seed, device)
+        return self.generator
 
     @classmethod
     def create(
@@ -54,30 +74,37 @@ class SamplingState:
         prompt_token_ids: list[int],
         eos_token_ids: set[int] | None = None,
         bad_words_token_ids: list[list[int]] | None = None,
-        device: torch.device | str = "cpu",
+        request_id: str = "",
     ) -> SamplingState:
-        generator = make_generator(params.seed, device) if params.seed is not None else None
+        """The generator of a seeded request is made lazily, on the device of its first logits."""
         return cls(
             params=params,
             prompt_token_ids=list(prompt_token_ids),
             output_token_ids=[],
-            generator=generator,
             bad_words_token_ids=list(bad_words_token_ids or []),
             eos_token_ids=set(eos_token_ids or ()),
+            request_id=request_id,
         )
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # one sampled token per row
+    token_ids: list[int]  # one sampled token per row (-1 for a row in `errors`)
     # Per row: None if params.logprobs is None, else [sampled] + top-`logprobs` entries by rank.
     logprobs: list[list[Logprob] | None]
+    # Row -> why that row's request failed (its token and logprobs are meaningless).
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+def describe_failure(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.fault_injector: FaultInjector | None = None
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -98,11 +125,28 @@ class Sampler:
         if not states:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = logits.to(torch.float32)
+        errors: dict[int, str] = {}
+        processed = _apply_logits_processors(logits, states, errors, self.fault_injector)
+        random_states = [s for i, s in enumerate(states) if i not in errors and not s.params.greedy]
+        noise = self._draw_noise(logits, states, errors) if random_states else None
+        if not errors:
+            return self._sample_rows(logits, processed, noise, states)
+        # Drop the failed rows; the others go on exactly as in a batch without them.
+        ok = [i for i in range(len(states)) if i not in errors]
+        out = SamplerOutput(token_ids=[-1] * len(states), logprobs=[None] * len(states), errors=errors)
+        if ok:
+            part = self._sample_rows(
+                logits[ok], processed[ok], None if noise is None else noise[ok], [states[i] for i in ok]
+            )
+            for i, token, lp in zip(ok, part.token_ids, part.logprobs):
+                out.token_ids[i] = token
+                out.logprobs[i] = lp
+        return out
+
+    def _sample_rows(
+        self, logits: torch.Tensor, processed: torch.Tensor, noise: torch.Tensor | None, states: list[SamplingState]
+    ) -> SamplerOutput:
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-
-        processed = _apply_logits_processors(logits, states)
-
         greedy = [s.params.greedy for s in states]
         if all(greedy):
             sampled = processed.argmax(dim=-1)
@@ -113,18 +157,43 @@ class Sampler:
             if greedy_rows:
                 sampled[greedy_rows] = processed[greedy_rows].argmax(dim=-1)
             rows = processed if not greedy_rows else processed[random_rows]
-            sampled[random_rows] = self._sample_random(rows, [states[i] for i in random_rows])
+            rows_noise = noise if not greedy_rows else noise[random_rows]
+            sampled[random_rows] = self._sample_random(rows, rows_noise, [states[i] for i in random_rows])
 
         token_ids = sampled.tolist()
         logprobs: list[list[Logprob] | None] = [None] * len(states)
-        if raw_logprobs is not None:
+        if logprob_rows:
+            raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1)
             num_top = [states[i].params.logprobs or 0 for i in logprob_rows]
             entries = _gather_logprobs(raw_logprobs, sampled[logprob_rows], num_top)
             for i, row_entries in zip(logprob_rows, entries):
                 logprobs[i] = row_entries
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    def _draw_noise(self, logits: torch.Tensor, states: list[SamplingState], errors: dict[int, str]) -> torch.Tensor:
+        """Exp(1) noise for the random rows that have not failed (other rows stay unset): the shared
+        generator fills the unseeded rows in one draw, each seeded row draws a fresh [V] row from its own."""
+        device = logits.device
+        noise = torch.empty_like(logits)
+        rows = [i for i, s in enumerate(states) if i not in errors and not s.params.greedy]
+        shared_rows = [i for i in rows if states[i].params.seed is None]
+        if len(shared_rows) == len(states):
+            noise.exponential_(generator=self._shared_generator(device))
+        elif shared_rows:
+            shared = torch.empty(len(shared_rows), logits.shape[1], device=device)
+            noise[shared_rows] = shared.exponential_(generator=self._shared_generator(device))
+        for i in rows:
+            if states[i].params.seed is None:
+                continue
+            try:
+                # A fresh [V] buffer per row keeps the draw independent of batch layout.
+                row = torch.empty(logits.shape[1], device=device)
+                noise[i] = row.exponential_(generator=states[i].generator_for(device))
+            except Exception as exc:  # this request's generator: fail it alone
+                errors[i] = describe_failure(exc)
+        return noise.clamp_(min=_MIN_NOISE)
+
+    def _sample_random(self, logits: torch.Tensor, noise: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Temperature, top-k/top-p/min-p and the exponential race for non-greedy rows."""
         device = logits.device
         params = [s.params for s in states]
@@ -133,7 +202,8 @@ class Sampler:
             logits = logits / torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1)
         top_k = top_p = min_p = None
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device)
+            vocab = logits.shape[1]  # a top_k above the vocabulary keeps it all (and fits int32)
+            top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int32, device=device)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         if any(p.min_p > 0.0 for p in params):
@@ -141,28 +211,17 @@ class Sampler:
         if top_k is not None or top_p is not None or min_p is not None:
             logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
         probs = torch.softmax(logits, dim=-1)
-
-        noise = torch.empty_like(probs)
-        shared_rows = [i for i, s in enumerate(states) if s.generator is None]
-        if len(shared_rows) == len(states):
-            noise.exponential_(generator=self._shared_generator(device))
-        else:
-            if shared_rows:
-                shared = torch.empty(len(shared_rows), probs.shape[1], device=device)
-                noise[shared_rows] = shared.exponential_(generator=self._shared_generator(device))
-            for i, s in enumerate(states):
-                if s.generator is not None:
-                    # A fresh [V] buffer per row keeps the draw independent of batch layout.
-                    row = torch.empty(probs.shape[1], device=device)
-                    noise[i] = row.exponential_(generator=s.generator)
-        noise.clamp_(min=_MIN_NOISE)
         return probs.div_(noise).argmax(dim=-1)
 
 
-def _apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """logit_bias, min_tokens, bad_words and penalties; returns `logits` untouched when no
-    row needs any of them (the common case)."""
-    vocab = logits.shape[1]
+def _apply_logits_processors(
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    errors: dict[int, str],
+    fault_injector: FaultInjector | None = None,
+) -> torch.Tensor:
+    """allowed_token_ids, logit_bias, min_tokens, bad_words and penalties; returns `logits` untouched
+    when no row needs any of them (the common case). A row that raises is recorded in `errors`."""
     out = logits
     copied = False
 
@@ -174,33 +233,63 @@ def _apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) 
         return out
 
     for i, s in enumerate(states):
-        p = s.params
-        if p.logit_bias:
-            ids = list(p.logit_bias)
-            _check_ids(ids, vocab, "logit_bias")
-            idx = torch.tensor(ids, dtype=torch.long, device=logits.device)
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=logits.device)
-            writable()[i].index_add_(0, idx, bias)
-        if len(s.output_token_ids) < p.min_tokens:
-            banned = [t for t in set(p.stop_token_ids) | s.eos_token_ids if t < vocab]
-            if banned:
-                writable()[i, banned] = float("-inf")
-        if s.bad_words_token_ids:
-            banned = _banned_bad_word_tokens(s.bad_words_token_ids, s.output_token_ids)
-            _check_ids(banned, vocab, "bad_words")
-            if banned:
-                writable()[i, banned] = float("-inf")
+        try:
+            if fault_injector is not None:
+                fault_injector(s.request_id)
+            _process_row(logits, i, s, writable)
+        except Exception as exc:
+            errors[i] = describe_failure(exc)
 
     penalty_rows = [
         i
         for i, s in enumerate(states)
-        if s.params.repetition_penalty != 1.0
-        or s.params.frequency_penalty != 0.0
-        or s.params.presence_penalty != 0.0
+        if i not in errors
+        and (
+            s.params.repetition_penalty != 1.0
+            or s.params.frequency_penalty != 0.0
+            or s.params.presence_penalty != 0.0
+        )
     ]
     if penalty_rows:
-        _apply_penalties(writable(), penalty_rows, states)
+        try:
+            _apply_penalties(writable(), penalty_rows, states)
+        except Exception:  # find the row(s) at fault; the batch writes nothing before it succeeds
+            for i in penalty_rows:
+                try:
+                    _apply_penalties(out, [i], states)
+                except Exception as exc:
+                    errors[i] = describe_failure(exc)
     return out
+
+
+def _process_row(
+    logits: torch.Tensor, i: int, s: SamplingState, writable: Callable[[], torch.Tensor]
+) -> None:
+    """The per-request logits processors of row i (penalties are batched separately)."""
+    p = s.params
+    vocab = logits.shape[1]
+    if p.allowed_token_ids is not None:
+        _check_ids(p.allowed_token_ids, vocab, "allowed_token_ids")
+        idx = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+        row = writable()[i]
+        kept = row[idx].clone()
+        row.fill_(float("-inf"))
+        row[idx] = kept
+    if p.logit_bias:
+        ids = list(p.logit_bias)
+        _check_ids(ids, vocab, "logit_bias")
+        idx = torch.tensor(ids, dtype=torch.long, device=logits.device)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=logits.device)
+        writable()[i].index_add_(0, idx, bias)
+    if len(s.output_token_ids) < p.min_tokens:
+        banned = [t for t in set(p.stop_token_ids) | s.eos_token_ids if 0 <= t < vocab]
+        if banned:
+            writable()[i, banned] = float("-inf")
+    if s.bad_words_token_ids:
+        banned = _banned_bad_word_tokens(s.bad_words_token_ids, s.output_token_ids)
+        _check_ids(banned, vocab, "bad_words")
+        if banned:
+            writable()[i, banned] = float("-inf")
 
 
 def _check_ids(ids: list[int], vocab: int, field_name: str) -> None:

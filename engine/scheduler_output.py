@@ -56,3 +56,6 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[list[tuple[int, float, int]] | None]] = field(default_factory=dict)
+    # Requests whose own work in this step failed (sampling, logits processing, prompt logprobs) ->
+    # the error; the engine finishes them with finish_reason "error", the rest of the batch goes on.
+    failed: dict[str, str] = field(default_factory=dict)

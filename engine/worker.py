@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -62,6 +63,10 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+
+    def set_fault_injector(self, fault_injector: Callable[[str, str], None] | None) -> None:
+        """Test hook: see ModelRunner.fault_injector (None turns it off)."""
+        self.model_runner.fault_injector = fault_injector
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(scheduler_output)

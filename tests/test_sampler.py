@@ -84,9 +84,10 @@ def test_logit_bias_forces_token():
     assert sample_one(logits, state(temperature=0, logit_bias={"5": -100.0})) == 6
 
 
-def test_logit_bias_out_of_vocab_raises():
-    with pytest.raises(ValueError, match="logit_bias"):
-        sample_one(crafted(5, 6), state(logit_bias={V + 3: 1.0}))
+def test_logit_bias_out_of_vocab_fails_that_row_alone():
+    out = Sampler(seed=0).sample(crafted(5, 6, rows=2), [state(logit_bias={V + 3: 1.0}), state(temperature=0)])
+    assert list(out.errors) == [0] and "logit_bias" in out.errors[0]
+    assert out.token_ids[1] == 5
 
 
 def test_repetition_penalty_changes_winner():
@@ -111,7 +112,7 @@ def test_repetition_penalty_matches_hf_processor():
     st = state(prompt=prompt, output=output, temperature=0, repetition_penalty=1.3, logprobs=0)
     from pagedserve.engine.sampler import _apply_logits_processors
 
-    got = _apply_logits_processors(logits, [st])
+    got = _apply_logits_processors(logits, [st], errors={})
     torch.testing.assert_close(got, expected)
 
 
@@ -279,3 +280,56 @@ def test_shape_mismatch_raises():
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(torch.zeros(2, V), [state()])
     assert Sampler().sample(torch.zeros(0, V), []).token_ids == []
+
+
+def test_seeded_generator_is_made_on_the_logits_device(monkeypatch):
+    import pagedserve.engine.sampler as sampler_mod
+
+    made_on = []
+    real = sampler_mod.make_generator
+
+    def recording(seed, device="cpu"):
+        made_on.append(torch.device(device))
+        return real(seed, device)
+
+    monkeypatch.setattr(sampler_mod, "make_generator", recording)
+    st = state(temperature=1.0, seed=7)
+    assert st.generator is None  # nothing is made before the device is known
+    logits = crafted(5, 6)
+    Sampler(seed=0).sample(logits, [st])
+    Sampler(seed=0).sample(logits, [st])
+    assert made_on == [logits.device] and st.generator.device == logits.device
+
+
+def test_top_k_above_vocab_and_int32_keeps_the_whole_vocabulary():
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(9)).repeat(2, 1)
+    states = [state(temperature=1.0, seed=3, top_k=2**31), state(temperature=1.0, seed=3, top_k=V)]
+    out = Sampler(seed=0).sample(logits, states)
+    assert not out.errors and out.token_ids[0] == out.token_ids[1]
+
+
+def test_allowed_token_ids_restrict_support():
+    logits = crafted(5, 6)
+    assert sample_one(logits, state(temperature=0, allowed_token_ids=[6, 9])) == 6
+
+
+def test_failing_row_is_dropped_before_any_generator_draws():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, V, generator=gen)
+
+    def run(poison: bool):
+        states = [state(temperature=1.0, seed=11), state(temperature=0.9), state(temperature=1.0, seed=12)]
+        for i, s in enumerate(states):
+            s.request_id = f"r{i}"
+        sampler = Sampler(seed=4)
+        if poison:
+            def inject(request_id):
+                if request_id == "r1":
+                    raise RuntimeError("boom")
+            sampler.fault_injector = inject
+            return sampler.sample(logits, states)
+        return sampler.sample(logits[[0, 2]], [states[0], states[2]])
+
+    poisoned, clean = run(True), run(False)
+    assert poisoned.errors == {1: "RuntimeError: boom"}
+    assert [poisoned.token_ids[0], poisoned.token_ids[2]] == clean.token_ids
