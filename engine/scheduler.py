@@ -11,64 +11,19 @@ freed and it goes back to the waiting queue to be recomputed later.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.request_queue import RequestQueue, create_request_queue
 from pagedserve.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedserve.kv_transfer.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
-
-
-class WaitingQueue:
-    """FCFS: arrival order, preempted requests go back to the front. Priority: lowest
-    (priority, arrival_time) first, as in vLLM."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def add(self, request: Request) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
-        else:
-            self._fifo.append(request)
-
-    def add_front(self, request: Request) -> None:
-        """Re-queue a preempted request so it is the next to resume."""
-        if self.policy == "priority":
-            self.add(request)
-        else:
-            self._fifo.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, requests: set[Request]) -> None:
-        if self.policy == "priority":
-            self._heap = [item for item in self._heap if item[3] not in requests]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo = deque(r for r in self._fifo if r not in requests)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter([item[3] for item in self._heap] if self.policy == "priority" else list(self._fifo))
 
 
 class Scheduler:
@@ -88,7 +43,8 @@ class Scheduler:
         self.kv_connector = kv_connector
 
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(self.policy)
+        # The policy lives in the queue: serving order, where preempted requests go, who is preempted.
+        self.waiting: RequestQueue = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Requests finished since the last schedule(): the workers drop their state.
         self._finished_req_ids: set[str] = set()
@@ -116,15 +72,20 @@ class Scheduler:
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Abort (or stop, e.g. on a stop string) requests wherever they are; frees their blocks."""
+        """Abort (or stop, e.g. on a stop string) requests wherever they are; frees their blocks.
+
+        Takes many ids at once (a mass disconnect): the work is O(1) per waiting request and one pass
+        over the running list only when a running request is among them, never O(waiting queue).
+        """
         if not status.is_finished:
             raise ValueError(f"status: {status.name} is not a finished status")
         finished = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
         if not finished:
             return []
-        finished_set = set(finished)
-        self.running = [r for r in self.running if r not in finished_set]
-        self.waiting.remove(finished_set)
+        running = {r for r in finished if r.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [r for r in self.running if r not in running]
+        self.waiting.remove(r for r in finished if r.status != RequestStatus.RUNNING)
         for request in finished:
             request.status = status
             self._free_request(request)
@@ -283,14 +244,12 @@ class Scheduler:
         return output
 
     def _choose_victim(self) -> Request | None:
-        """FCFS preempts the newest running request; priority the least important (then the newest).
+        """The running request the policy preempts first (FCFS: the newest; priority: the least important).
         Requests whose batch is still in flight cannot be preempted."""
         candidates = [r for r in self.running if r.request_id not in self._in_flight]
         if not candidates:
             return None
-        if self.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+        return self.waiting.choose_victim(candidates)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -313,7 +272,7 @@ class Scheduler:
             request.request_id,
             request.num_tokens,
         )
-        self.waiting.remove({request})
+        self.waiting.remove([request])
         request.status = RequestStatus.FINISHED_LENGTH
         self._unfittable.append(request)
         self._free_request(request)
