@@ -66,6 +66,7 @@ class AsyncLLM:
         self.stall_timeout_s = stall_timeout_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._pending_aborts: list[str] = []  # engine thread only
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self._dead_error: BaseException | None = None
@@ -131,10 +132,15 @@ class AsyncLLM:
         finally:
             self._num_active -= 1
             if not finished:
-                self._commands.put(("abort", request_id, None))
+                self._commands.put(("abort", [request_id], None))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
+        self._commands.put(("abort", [request_id], None))
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort many requests with one engine command (one batched abort in the engine core)."""
+        if request_ids:
+            self._commands.put(("abort", list(request_ids), None))
 
     def get_stats(self) -> AsyncEngineStats:
         return AsyncEngineStats(
@@ -183,6 +189,12 @@ class AsyncLLM:
 
     def _handle_command(self, command: tuple) -> bool:
         kind, payload, future = command
+        if kind == "abort":  # collected: the aborts of one drain reach the engine as one batch
+            for request_id in payload:
+                self._streams.pop(request_id, None)
+            self._pending_aborts.extend(payload)
+            return True
+        self._flush_aborts()  # an abort sent before an add is applied before it
         if kind == "stop":
             return False
         if kind == "add":
@@ -194,10 +206,12 @@ class AsyncLLM:
             else:
                 self._streams[request_id] = stream
                 future.set_result(None)
-        elif kind == "abort":
-            self._streams.pop(payload, None)
-            self.engine.abort_request(payload)
         return True
+
+    def _flush_aborts(self) -> None:
+        if self._pending_aborts:
+            request_ids, self._pending_aborts = self._pending_aborts, []
+            self.engine.abort_request(request_ids)
 
     def _run(self) -> None:
         try:
@@ -214,6 +228,7 @@ class AsyncLLM:
                         command = self._commands.get_nowait()
                     except queue.Empty:
                         command = None
+                self._flush_aborts()
                 if not running:
                     break
                 if self.engine.has_unfinished_requests():

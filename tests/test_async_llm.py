@@ -133,3 +133,38 @@ def test_overload_is_rejected(tiny_llama):
         assert len(asyncio.run(run())) == 2
     finally:
         engine.shutdown()
+
+
+def test_batched_abort_reaches_the_engine_as_one_call_and_frees_blocks(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    calls: list[list[str]] = []
+    engine = async_llm.engine
+    original = engine.abort_request
+
+    def recording(request_ids):
+        calls.append(list(request_ids))
+        original(request_ids)
+
+    async def run():
+        streams = [async_llm.generate(f"word {i}", params, request_id=f"batch-{i}") for i in range(6)]
+        for stream in streams:
+            await stream.__anext__()
+        await async_llm.abort_requests([f"batch-{i}" for i in range(6)])
+        for _ in range(100):
+            stats = async_llm.get_stats()
+            if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+        # Their consumers never get another output (the actor ends its streams itself): close them.
+        for stream in streams:
+            await stream.aclose()
+        return async_llm.get_stats()
+
+    engine.abort_request = recording
+    try:
+        stats = asyncio.run(run())
+    finally:
+        engine.abort_request = original
+    assert calls[0] == [f"batch-{i}" for i in range(6)]  # one engine call for the six
+    assert stats.num_unfinished == 0
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
