@@ -11,6 +11,13 @@ Failure: a dead actor (RayActorError and subclasses) fails only the requests it 
 `EngineDeadError`; the engine is then skipped by routing until a stats poll (`refresh_stats`) gets an
 answer again from the restarted actor.
 
+Streams: engine actors send a stream's prompt only in its first output; `PromptRestorer` puts it back
+into the later ones. Aborts to one engine within one event-loop turn go out as one `abort_requests`
+RPC (`AbortBatcher`).
+
+Stats for /health and /metrics come from what the background poller last saw, without an RPC:
+`latest_stats()`, `aggregate_stats()` and `is_healthy()` never await.
+
 Additions to the agreed API (all optional keywords): `DPCoordinator(..., kv_weight=4.0,
 stats_timeout_s=5.0, max_affinity_entries=65536)`. `start()` may be called outside a running event
 loop; polling then begins with the first `generate` call. Cumulative counters in
@@ -24,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +39,8 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from pagedserve.cluster.abort_batcher import AbortBatcher
+from pagedserve.cluster.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.block_pool import BlockHash, hash_block_tokens
 from pagedserve.engine.outputs import RequestOutput
@@ -109,6 +119,8 @@ class DPCoordinator:
         self._requests: dict[str, int] = {}  # request_id -> engine index, while in flight
         self._want_polling = False
         self._poller: asyncio.Task | None = None
+        self._aborts = AbortBatcher(self._send_aborts)
+        self._last_poll_time: float | None = None  # time.monotonic() of the last completed poll round
 
     # ------------------------------------------------------------------ routing
 
@@ -211,8 +223,9 @@ class DPCoordinator:
             stream = state.handle.generate.remote(
                 request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling_params, priority
             )
+            restore = PromptRestorer()
             async for ref in stream:
-                output: RequestOutput = await ref
+                output: RequestOutput = restore(await ref)
                 finished = output.finished
                 yield output
                 if finished:
@@ -241,17 +254,19 @@ class DPCoordinator:
         if index is None:
             return
         try:
-            await asyncio.wait_for(self.engines[index].handle.abort.remote(request_id), self.stats_timeout_s)
+            sent = await self._aborts.add_and_wait(index, request_id)
+            if sent is not None:
+                await asyncio.wait_for(sent, self.stats_timeout_s)
         except (RayActorError, asyncio.TimeoutError):
             pass  # the engine is gone or stuck; its requests fail on their own
 
     def _fire_abort(self, state: EngineState, request_id: str) -> None:
-        if not state.available:
-            return
-        try:
-            state.handle.abort.remote(request_id)  # fire and forget: must not block a closing generator
-        except Exception:  # noqa: BLE001 - the actor handle may be unusable while it restarts
-            logger.debug("abort of %s on engine %d could not be sent", request_id, state.index)
+        """Fire and forget (must not block a closing generator); batched with the other aborts of this turn."""
+        if state.available:
+            self._aborts.add(state.index, request_id)
+
+    def _send_aborts(self, index: int, request_ids: list[str]) -> Any:
+        return self.engines[index].handle.abort_requests.remote(request_ids)
 
     def _mark_unavailable(self, state: EngineState, exc: BaseException) -> None:
         if state.available:
@@ -262,7 +277,9 @@ class DPCoordinator:
 
     async def refresh_stats(self) -> list[dict]:
         """Poll every engine's stats; an engine that does not answer is reported unhealthy and skipped."""
-        return list(await asyncio.gather(*(self._poll_one(state) for state in self.engines)))
+        answers = list(await asyncio.gather(*(self._poll_one(state) for state in self.engines)))
+        self._last_poll_time = time.monotonic()
+        return answers
 
     async def _poll_one(self, state: EngineState) -> dict:
         try:
@@ -313,8 +330,18 @@ class DPCoordinator:
         ]
         return out
 
+    def latest_stats(self) -> dict:
+        """`aggregate_stats()` plus "stats_age_s" (seconds since the last completed poll, None before
+        the first): what /health and /metrics answer from, with no RPC."""
+        self._ensure_polling()
+        out = self.aggregate_stats()
+        out["stats_age_s"] = None if self._last_poll_time is None else time.monotonic() - self._last_poll_time
+        return out
+
     def is_healthy(self) -> bool:
-        """False if an engine reports a stall (work waiting, no progress) or no engine is reachable."""
+        """False if an engine reports a stall (work waiting, no progress) or no engine is reachable.
+        From the latest polled stats: never waits for an engine."""
+        self._ensure_polling()
         if not any(e.available for e in self.engines):
             return False
         return not any(e.available and e.stats is not None and not e.stats.get("healthy", True)

@@ -14,10 +14,16 @@ Additions to the agreed API (all optional keywords):
   stall_timeout_s=120.0, max_concurrency=None)`.
 - `wait_engines_ready(engines, timeout_s=None) -> list[dict]`: block until every actor's `ready()` answers.
 - `EngineActor.abort` ends that request's `generate` stream with one final output whose
-  `finish_reason` is "abort" (the engine itself emits nothing for an aborted request).
-- `get_stats()` also returns "num_unfinished", "incarnation" (new on every actor (re)start) and "stats_time".
+  `finish_reason` is "abort" (the engine itself emits nothing for an aborted request);
+  `abort_requests(ids)` does the same for many requests in one call.
+- `get_stats()` also returns "num_unfinished", "incarnation" (new on every actor (re)start), "stats_time"
+  and "num_stream_outputs" (objects `generate` has yielded, all streams together).
+
+Streams: `generate` sends the prompt once, in a stream's first output (`stream_transport`), and pauses
+when `STREAM_BACKPRESSURE_OBJECTS` outputs wait unread; what the engine produces meanwhile merges into
+the next delta. Placement: see `placement` (an engine on CUDA reserves its GPUs from Ray).
 - `ready()` also returns "max_num_seqs", "max_num_batched_tokens", "model", "served_model_name",
-  "tensor_parallel_size", "pipeline_parallel_size", "pid" and "restarted" (True after a Ray restart).
+  "tensor_parallel_size", "pipeline_parallel_size", "device", "pid" and "restarted" (True after a Ray restart).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ import ray
 from ray.exceptions import ActorUnavailableError
 from pydantic import ValidationError
 
+from pagedserve.cluster.placement import pinned_engine_kwargs, plan_engine_placement, restrict_to_assigned_gpus
 from pagedserve.cluster.ray_utils import ensure_ray
+from pagedserve.cluster.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
@@ -85,12 +93,14 @@ class EngineActor:
         stall_timeout_s: float = 120.0,
     ) -> None:
         self.engine_index = engine_index
+        restrict_to_assigned_gpus()  # before anything initialises CUDA in this process
         # Identifies this incarnation of the actor: a restarted actor's counters start again from zero.
         self.incarnation = uuid.uuid4().hex
         self.engine = AsyncLLM(EngineConfig(**engine_kwargs), max_pending_requests=max_pending_requests,
                                stall_timeout_s=stall_timeout_s)
         # request_id -> set by abort() to end that request's generate() stream.
         self._aborts: dict[str, asyncio.Event] = {}
+        self._num_stream_outputs = 0
         self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch_engine, name="engine-watchdog", daemon=True)
         self._watchdog.start()
@@ -116,15 +126,17 @@ class EngineActor:
             "served_model_name": config.served_model_name,
             "tensor_parallel_size": config.tensor_parallel_size,
             "pipeline_parallel_size": config.pipeline_parallel_size,
+            "device": config.device,
             "pid": os.getpid(),
             "restarted": bool(restarted),
         }
 
-    @ray.method(num_returns="streaming")
+    @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
     async def generate(
         self, request_id: str, prompt: str | dict, sampling_params: dict, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs. ValueError (bad input), EngineOverloadedError and EngineDeadError propagate."""
+        """Stream DELTA outputs, the prompt only in the first (see `stream_transport`).
+        ValueError (bad input), EngineOverloadedError and EngineDeadError propagate."""
         try:
             params = SamplingParams(**sampling_params)
         except ValueError as exc:
@@ -134,6 +146,7 @@ class EngineActor:
         aborted = asyncio.Event()
         self._aborts[request_id] = aborted
         stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority)
+        elide = PromptElider()
         abort_wait = asyncio.ensure_future(aborted.wait())
         next_output: asyncio.Future | None = None
         try:
@@ -143,7 +156,8 @@ class EngineActor:
                 await asyncio.wait({next_output, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if not next_output.done():
                     await _cancel_and_wait(next_output)
-                    yield _abort_output(request_id, prompt, params.n)
+                    self._num_stream_outputs += 1
+                    yield elide(_abort_output(request_id, prompt, params.n))
                     return
                 try:
                     output = next_output.result()
@@ -151,7 +165,9 @@ class EngineActor:
                     return
                 except ValueError as exc:
                     raise _plain_value_error(exc) from None
-                yield output
+                # Counted before the yield: the generator may pause there (backpressure).
+                self._num_stream_outputs += 1
+                yield elide(output)
         finally:
             abort_wait.cancel()
             self._aborts.pop(request_id, None)
@@ -160,10 +176,15 @@ class EngineActor:
             await stream.aclose()  # aborts the engine request if it did not finish
 
     async def abort(self, request_id: str) -> None:
-        aborted = self._aborts.get(request_id)
-        if aborted is not None:
-            aborted.set()
-        await self.engine.abort(request_id)
+        await self.abort_requests([request_id])
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort many requests in one call (one engine command): a mass disconnect costs one RPC."""
+        for request_id in request_ids:
+            aborted = self._aborts.get(request_id)
+            if aborted is not None:
+                aborted.set()
+        await self.engine.abort_requests(request_ids)
 
     async def get_stats(self) -> dict:
         stats = self.engine.get_stats()
@@ -175,6 +196,7 @@ class EngineActor:
         out["last_step_age_s"] = max(0.0, now - stats.last_step_time)
         out["incarnation"] = self.incarnation
         out["stats_time"] = now  # orders answers of one incarnation (concurrent polls may arrive out of order)
+        out["num_stream_outputs"] = self._num_stream_outputs
         return out
 
     async def check_health(self) -> None:
@@ -221,21 +243,35 @@ def start_engine_actors(
     EngineConfig(**engine_kwargs)  # fail fast in the caller on bad engine arguments
     ensure_ray()
     concurrency = max_concurrency or max_pending_requests + 64  # + room for stats/health/abort calls
+    options, pinned_kwargs = engine_actor_options(engine_kwargs, num_cpus_per_engine, ray.cluster_resources(),
+                                                  max_restarts=max_restarts, max_concurrency=concurrency)
     actor_cls = ray.remote(EngineActor)
     engines = []
     for index in range(data_parallel_size):
-        options: dict[str, Any] = dict(
-            num_cpus=num_cpus_per_engine,
-            max_restarts=max_restarts,
-            max_task_retries=0,
-            max_concurrency=concurrency,
-        )
-        if name_prefix is not None:
-            options["name"] = f"{name_prefix}-{index}"
+        named = dict(options, name=f"{name_prefix}-{index}") if name_prefix is not None else options
         engines.append(
-            actor_cls.options(**options).remote(engine_kwargs, index, max_pending_requests, stall_timeout_s)
+            actor_cls.options(**named).remote(pinned_kwargs, index, max_pending_requests, stall_timeout_s)
         )
     return engines
+
+
+def engine_actor_options(
+    engine_kwargs: dict,
+    num_cpus_per_engine: float,
+    cluster_resources: dict[str, float],
+    max_restarts: int = -1,
+    max_concurrency: int = 1088,
+) -> tuple[dict[str, Any], dict]:
+    """Ray actor options for one engine on a cluster with these resources, and its engine kwargs with
+    `device` pinned to what the options reserve (an engine on CUDA holds its GPUs; see `placement`)."""
+    placement = plan_engine_placement(engine_kwargs, cluster_resources)
+    options: dict[str, Any] = dict(
+        placement.actor_options(num_cpus_per_engine),
+        max_restarts=max_restarts,
+        max_task_retries=0,
+        max_concurrency=max_concurrency,
+    )
+    return options, pinned_engine_kwargs(engine_kwargs, placement)
 
 
 def wait_engines_ready(engines: list[ray.actor.ActorHandle], timeout_s: float | None = None) -> list[dict]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import ray
 
+from pagedserve.cluster.placement import uses_gpu
 from pagedserve.cluster.ray_utils import ensure_ray
 from pagedserve.cluster.worker_group import WorkerGroup, WorkerGroupOptions
 from pagedserve.engine.config import EngineConfig
@@ -21,11 +22,7 @@ from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutpu
 
 def _use_gpu(config: EngineConfig) -> bool:
     """GPUs when asked for, or with device="auto" when the cluster (not necessarily this node) has them."""
-    if config.device == "cuda":
-        return True
-    if config.device == "cpu":
-        return False
-    return ray.cluster_resources().get("GPU", 0) >= 1
+    return uses_gpu(config.device, ray.cluster_resources() if config.device == "auto" else {})
 
 
 class RayExecutor(Executor):
@@ -34,12 +31,14 @@ class RayExecutor(Executor):
         ensure_ray()
         # Pipeline parallelism: one batch per stage in flight keeps every stage busy.
         self.max_concurrent_batches = config.pipeline_parallel_size
+        use_gpu = _use_gpu(config)
         options = WorkerGroupOptions(
             num_cpus_per_worker=config.num_cpus_per_worker,
-            use_gpu=_use_gpu(config),
+            use_gpu=use_gpu,
             strategy=config.placement_group_strategy,
         )
-        self.group = WorkerGroup(config, options)
+        # The ranks run on the device their bundles reserve, whatever their node would offer.
+        self.group = WorkerGroup(config.model_copy(update={"device": "cuda" if use_gpu else "cpu"}), options)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         return self.group.call_all(method, args, kwargs)

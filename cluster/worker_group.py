@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pagedserve.cluster.placement import restrict_to_assigned_gpus
 from pagedserve.cluster.ray_utils import free_port, node_ip, tcp_init_method
 from pagedserve.engine.config import EngineConfig
 
@@ -52,6 +53,13 @@ class WorkerGroupOptions:
         if self.placement_timeout_s <= 0:
             raise ValueError(f"placement_timeout_s: must be positive, got {self.placement_timeout_s}")
 
+    def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle: its CPUs, and its GPU when the engine runs on CUDA."""
+        bundle: dict[str, float] = {"CPU": self.num_cpus_per_worker}
+        if self.use_gpu:
+            bundle["GPU"] = 1
+        return bundle
+
 
 @dataclass
 class RankInfo:
@@ -76,6 +84,7 @@ class WorkerActor:
     """A thin actor around `engine.worker.Worker`: one rank of one engine."""
 
     def __init__(self, config: EngineConfig, rank: int, num_threads: int) -> None:
+        restrict_to_assigned_gpus()  # before torch can initialise CUDA: cuda:0 is this rank's own GPU
         import torch
 
         torch.set_num_threads(max(1, num_threads))
@@ -164,9 +173,7 @@ class WorkerGroup:
 
     def _start(self) -> None:
         opts = self.options
-        bundle: dict[str, float] = {"CPU": opts.num_cpus_per_worker}
-        if opts.use_gpu:
-            bundle["GPU"] = 1
+        bundle = opts.bundle()
         pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=opts.strategy)
         self._resources.placement_group = pg
         try:

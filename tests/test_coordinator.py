@@ -9,6 +9,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from pagedserve.cluster.coordinator import DPCoordinator
+from pagedserve.cluster.stream_transport import PromptElider
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
@@ -24,11 +25,11 @@ def _stats(index: int, running: int = 0, waiting: int = 0, usage: float = 0.0, h
     return base
 
 
-def _output(request_id: str, tokens: list[int], finish: str | None) -> RequestOutput:
+def _output(request_id: str, tokens: list[int], finish: str | None, prompt_ids: list[int] | None = None) -> RequestOutput:
     comp = CompletionOutput(index=0, text="", token_ids=tokens, cumulative_logprob=None, logprobs=None,
                             finish_reason=finish)
-    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], prompt_logprobs=None,
-                         outputs=[comp], finished=finish is not None)
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=list(prompt_ids or []),
+                         prompt_logprobs=None, outputs=[comp], finished=finish is not None)
 
 
 class _Done:
@@ -64,19 +65,28 @@ class FakeEngine:
         self.die_after = die_after
         self.stats = _stats(index)
         self.aborted: list[str] = []
+        self.abort_rpcs = 0  # abort calls of either kind: one RPC each on a real actor
         self.requests: list[str] = []
         self.generate = _Method(self._generate)
-        self.abort = _Method(lambda rid: self.aborted.append(rid) or _ready(None))
+        self.abort = _Method(lambda rid: self._abort([rid]))
+        self.abort_requests = _Method(self._abort)
         self.get_stats = _Method(self._get_stats)
 
+    def _abort(self, request_ids):
+        self.abort_rpcs += 1
+        self.aborted.extend(request_ids)
+        return _ready(None)
+
     async def _generate(self, request_id, prompt, sampling_params, priority=0):
+        """Like the real actor: the prompt travels in the first output only (PromptElider)."""
         self.requests.append(request_id)
+        elide = PromptElider()
         for i in range(self.num_tokens):
             if self.die_after is not None and i == self.die_after:
                 yield _raise(ActorDiedError())
                 return
             finish = "length" if i == self.num_tokens - 1 else None
-            yield _ready(_output(request_id, [i], finish))
+            yield _ready(elide(_output(request_id, [i], finish, prompt["prompt_token_ids"])))
             await asyncio.sleep(0)
 
     def _get_stats(self):
@@ -366,3 +376,85 @@ def test_late_stale_stats_answer_is_ignored():
 
     agg = asyncio.run(run())
     assert agg["num_generation_tokens"] == 105 and agg["num_running"] == 2
+
+
+# ---------------------------------------------------------------------- stream transport, aborts, stats
+
+
+def test_prompt_sent_once_by_the_engine_reaches_every_output():
+    coord, engines = _coordinator(2)
+    prompt = _prompt(5)
+    seen: list[list[int]] = []
+
+    async def recording(request_id, prompt_arg, sampling_params, priority=0):
+        """What crosses the actor boundary: the prompt in the first output only."""
+        engine = engines[0]
+        async for ref in engine._generate(request_id, prompt_arg, sampling_params, priority):
+            out = await ref
+            seen.append(list(out.prompt_token_ids))
+            yield _ready(out)
+
+    for engine in engines:
+        engine.generate = _Method(recording)
+
+    async def run():
+        return [o async for o in coord.generate("p", prompt, {})]
+
+    outs = asyncio.run(run())
+    assert seen[0] == prompt and all(ids == [] for ids in seen[1:])  # the wire carries it once
+    assert len(outs) == 5 and all(o.prompt_token_ids == prompt for o in outs)  # callers see it every time
+
+
+def test_mass_disconnect_costs_one_abort_rpc_per_engine():
+    coord, engines = _coordinator(2)
+    num_streams = 20
+
+    async def run():
+        streams = [coord.generate(f"d{i}", _prompt(i), {}) for i in range(num_streams)]
+        for stream in streams:
+            await stream.__anext__()
+        await asyncio.gather(*(stream.aclose() for stream in streams))  # every client leaves at once
+        await asyncio.sleep(0)  # the batch goes out on the next loop turn
+
+    asyncio.run(run())
+    assert sorted(rid for e in engines for rid in e.aborted) == sorted(f"d{i}" for i in range(num_streams))
+    busy = [e for e in engines if e.aborted]
+    assert len(busy) == 2  # the requests were spread over both engines ...
+    assert all(e.abort_rpcs == 1 for e in busy)  # ... and each got one RPC, not one per request
+    assert coord.aggregate_stats()["num_in_flight"] == 0
+
+
+def test_concurrent_explicit_aborts_share_one_rpc():
+    coord, engines = _coordinator(1)
+
+    async def run():
+        streams = [coord.generate(f"a{i}", _prompt(i), {}) for i in range(5)]
+        for stream in streams:
+            await stream.__anext__()
+        await asyncio.gather(*(coord.abort(f"a{i}") for i in range(5)))
+        rpcs = engines[0].abort_rpcs
+        for stream in streams:
+            await stream.aclose()
+        return rpcs
+
+    assert asyncio.run(run()) == 1
+    assert sorted(set(engines[0].aborted)) == [f"a{i}" for i in range(5)]
+
+
+def test_latest_stats_and_health_answer_from_polled_stats_without_rpc():
+    coord, engines = _coordinator(2)
+    engines[0].stats = _stats(0, running=2, num_generation_tokens=30)
+    engines[1].stats = _stats(1, waiting=1, healthy=False)
+
+    async def run():
+        before = coord.latest_stats()
+        await coord.refresh_stats()
+        for engine in engines:  # from now on an RPC would fail the test
+            engine.get_stats = _Method(lambda: pytest.fail("stats accessor made an RPC"))
+        return before, coord.latest_stats(), coord.is_healthy()
+
+    before, latest, healthy = asyncio.run(run())
+    assert before["stats_age_s"] is None and before["num_running"] == 0
+    assert latest["stats_age_s"] is not None and latest["stats_age_s"] >= 0
+    assert latest["num_running"] == 2 and latest["num_waiting"] == 1 and latest["num_generation_tokens"] == 30
+    assert latest["num_healthy_engines"] == 1 and not healthy

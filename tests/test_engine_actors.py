@@ -11,7 +11,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedserve.cluster.coordinator import DPCoordinator  # noqa: E402
-from pagedserve.cluster.engine_actor import start_engine_actors, wait_engines_ready  # noqa: E402
+from pagedserve.cluster.engine_actor import EngineActor, start_engine_actors, wait_engines_ready  # noqa: E402
+from pagedserve.cluster.stream_transport import STREAM_BACKPRESSURE_OBJECTS  # noqa: E402
 from pagedserve.engine import LLM, SamplingParams  # noqa: E402
 from pagedserve.engine.async_llm import EngineDeadError  # noqa: E402
 
@@ -33,6 +34,7 @@ def engines(engine_kwargs):
         infos = wait_engines_ready(handles, timeout_s=300)
         assert [info["engine_index"] for info in infos] == [0, 1]
         assert all(info["block_size"] == BLOCK and info["num_kv_blocks"] > 0 for info in infos)
+        assert all(info["device"] == "cpu" for info in infos)  # "auto" on a GPU-less cluster, pinned by the driver
         yield handles
     finally:
         for handle in handles:
@@ -48,6 +50,7 @@ async def _collect(coord: DPCoordinator, request_id: str, prompt: list[int], par
     tokens: list[int] = []
     finishes = []
     async for out in coord.generate(request_id, prompt, params):
+        assert out.prompt_token_ids == prompt  # restored by the coordinator (the engine sends it once)
         tokens += out.outputs[0].token_ids
         if out.outputs[0].finish_reason is not None:
             finishes.append(out.outputs[0].finish_reason)
@@ -242,7 +245,6 @@ def test_engine_actor_with_tensor_parallel_worker_group(engines, engine_kwargs):
 
 def test_engine_loop_death_fails_requests_and_triggers_restart(engine_kwargs):
     """In-process (no Ray): when the engine loop dies, its request fails and the watchdog asks for a restart."""
-    from pagedserve.cluster.engine_actor import EngineActor
 
     class RecordingActor(EngineActor):
         died = threading.Event()
@@ -271,3 +273,89 @@ def test_engine_loop_death_fails_requests_and_triggers_restart(engine_kwargs):
             _run(actor.check_health())
     finally:
         actor.shutdown()
+
+
+def test_actor_stream_carries_the_prompt_only_in_its_first_output(engine_kwargs):
+    """In-process (what `generate` hands to Ray): the prompt is pickled once per stream, not per token."""
+    actor = EngineActor(engine_kwargs, engine_index=0)
+    params = dict(temperature=0, max_tokens=8, min_tokens=8)
+
+    async def run():
+        return [out async for out in actor.generate("once", {"prompt_token_ids": PROMPTS[2]}, params)]
+
+    try:
+        outputs = _run(run(), timeout=60)
+        sent = _run(actor.get_stats())["num_stream_outputs"]
+    finally:
+        actor.shutdown()
+    assert len(outputs) > 1 and sent == len(outputs)
+    assert outputs[0].prompt_token_ids == PROMPTS[2]
+    assert all(out.prompt_token_ids == [] and out.prompt is None for out in outputs[1:])
+    expected = LLM(**engine_kwargs).generate([{"prompt_token_ids": PROMPTS[2]}], SamplingParams(**params),
+                                             use_tqdm=False)
+    assert [t for out in outputs for t in out.outputs[0].token_ids] == expected[0].outputs[0].token_ids
+
+
+async def _read_stream(handle, request_id: str, prompt: list[int], params: dict, pause_after_first=None):
+    """Read an engine actor's stream directly: (text, tokens, number of objects read, prompt ids seen)."""
+    text, tokens, count, prompts = "", [], 0, []
+    async for ref in handle.generate.remote(request_id, {"prompt_token_ids": prompt}, params):
+        out = await ref
+        count += 1
+        text += out.outputs[0].text
+        tokens += out.outputs[0].token_ids
+        prompts.append(list(out.prompt_token_ids))
+        if count == 1 and pause_after_first is not None:
+            await pause_after_first()
+    return text, tokens, count, prompts
+
+
+def test_slow_reader_is_backpressured_and_gets_merged_complete_text(engines):
+    """While a reader does not read, the actor stops at a bounded number of unread outputs; what the
+    engine makes meanwhile arrives merged, and the text equals a fast reader's greedy text."""
+    handle = engines[0]
+    params = dict(temperature=0, max_tokens=40, min_tokens=40)
+    during: dict[str, int] = {}
+
+    async def wait_until_engine_done(before: int) -> None:
+        for _ in range(600):  # the reader sleeps until the engine has generated every token
+            stats = await handle.get_stats.remote()
+            if stats["num_unfinished"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        during["sent"] = stats["num_stream_outputs"] - before
+
+    async def run():
+        fast = await _read_stream(handle, "fast-reader", PROMPTS[6], params)
+        before = (await handle.get_stats.remote())["num_stream_outputs"]
+        slow = await _read_stream(handle, "slow-reader", PROMPTS[6], params,
+                                  pause_after_first=lambda: wait_until_engine_done(before))
+        return fast, slow, await _wait_idle(DPCoordinator(engines, block_size=BLOCK))
+
+    fast, slow, stats = _run(run(), timeout=180)
+    assert len(fast[1]) == 40 and fast[:2] == slow[:2]  # same greedy tokens and text
+    # 40 steps passed while the reader slept: at most the first, the unread window and one paused yield.
+    assert during["sent"] <= STREAM_BACKPRESSURE_OBJECTS + 2
+    assert slow[2] <= STREAM_BACKPRESSURE_OBJECTS + 3 < fast[2]  # fewer, larger deltas in all
+    assert slow[3][0] == PROMPTS[6] and all(ids == [] for ids in slow[3][1:])
+    assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats)
+
+
+def test_mass_disconnect_aborts_in_one_rpc_per_engine_and_frees_blocks(engines):
+    params = dict(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def run():
+        coord = DPCoordinator(engines, block_size=BLOCK)
+        streams = [coord.generate(f"mass-{i}", p, params) for i, p in enumerate(PROMPTS)]
+        for stream in streams:
+            await stream.__anext__()
+        await asyncio.gather(*(stream.aclose() for stream in streams))  # every client leaves at once
+        stats = await _wait_idle(coord)
+        return coord._aborts.num_rpcs, stats, coord.aggregate_stats()
+
+    rpcs, stats, agg = _run(run())
+    assert rpcs <= len(engines) < len(PROMPTS)
+    assert agg["num_in_flight"] == 0
+    for s in stats:
+        assert s["num_running"] == 0 and s["num_waiting"] == 0
+        assert s["num_free_blocks"] == s["num_total_blocks"]

@@ -1,0 +1,53 @@
+"""What a request's output stream looks like on its way from an engine actor to the coordinator.
+
+A stream's prompt (its token ids and text) is the same in every output, and pickling it with every
+delta costs O(prompt) per generated token. The engine actor sends it once, in the first output of the
+stream (`PromptElider`); the coordinator puts it back into every later output (`PromptRestorer`), so
+callers still see complete `RequestOutput`s. Prompt logprobs already travel once: a DELTA stream
+carries them only in its first output.
+
+`STREAM_BACKPRESSURE_OBJECTS` bounds how many outputs of one stream may wait, unread, between the
+actor and its reader: the actor's generator pauses at that many, and meanwhile the engine's outputs
+merge into one delta (`RequestOutput.add` in `AsyncLLM.generate`), so a slow reader gets fewer,
+larger deltas instead of a pile of one object per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedserve.engine.outputs import RequestOutput
+
+# Outputs of one stream that may be produced and not yet read (Ray streaming-generator backpressure).
+STREAM_BACKPRESSURE_OBJECTS = 4
+
+
+class PromptElider:
+    """Actor side: the first output of a stream keeps its prompt; later ones are sent without it."""
+
+    def __init__(self) -> None:
+        self._sent_prompt = False
+
+    def __call__(self, output: RequestOutput) -> RequestOutput:
+        if not self._sent_prompt:
+            self._sent_prompt = True
+            return output
+        # A shallow copy: the engine's output (and its prompt list) is not ours to change.
+        return dataclasses.replace(output, prompt=None, prompt_token_ids=[])
+
+
+class PromptRestorer:
+    """Coordinator side: remembers the first output's prompt and fills it into the later ones."""
+
+    def __init__(self) -> None:
+        self._prompt: str | None = None
+        self._prompt_token_ids: list[int] | None = None
+
+    def __call__(self, output: RequestOutput) -> RequestOutput:
+        if self._prompt_token_ids is None:
+            self._prompt, self._prompt_token_ids = output.prompt, output.prompt_token_ids
+            return output
+        if not output.prompt_token_ids:
+            output.prompt_token_ids = self._prompt_token_ids
+            output.prompt = self._prompt
+        return output

@@ -1,0 +1,88 @@
+"""GPU placement decisions for engine actors and worker groups, on fake clusters (CPU only, no Ray started)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pagedserve.cluster import placement
+from pagedserve.cluster.engine_actor import engine_actor_options
+from pagedserve.cluster.placement import plan_engine_placement, restrict_to_assigned_gpus, uses_gpu
+from pagedserve.cluster.ray_executor import _use_gpu
+from pagedserve.cluster.worker_group import WorkerGroupOptions
+from pagedserve.engine.config import EngineConfig
+
+CPU_CLUSTER = {"CPU": 16.0, "memory": 1e10}
+GPU_CLUSTER = {"CPU": 64.0, "GPU": 8.0}
+
+
+@pytest.mark.parametrize(
+    ("device", "cluster", "expected"),
+    [("auto", CPU_CLUSTER, False), ("auto", GPU_CLUSTER, True), ("cpu", GPU_CLUSTER, False),
+     ("cuda", CPU_CLUSTER, True), ("cuda", GPU_CLUSTER, True)],
+)
+def test_device_decision_needs_no_gpu_on_the_driver(device, cluster, expected):
+    assert uses_gpu(device, cluster) is expected
+
+
+def test_single_rank_engine_on_gpu_cluster_reserves_one_gpu_and_is_pinned_to_cuda():
+    options, kwargs = engine_actor_options({"model": "m"}, 1.0, GPU_CLUSTER, max_restarts=3, max_concurrency=10)
+    assert options["num_gpus"] == 1 and options["num_cpus"] == 1.0
+    assert options["max_restarts"] == 3 and options["max_task_retries"] == 0 and options["max_concurrency"] == 10
+    assert kwargs == {"model": "m", "device": "cuda"}
+
+
+def test_engine_on_cpu_cluster_reserves_no_gpu_and_is_pinned_to_cpu():
+    options, kwargs = engine_actor_options({"model": "m"}, 2.0, CPU_CLUSTER)
+    assert options["num_gpus"] == 0 and kwargs["device"] == "cpu"
+    options, kwargs = engine_actor_options({"model": "m", "device": "cpu"}, 2.0, GPU_CLUSTER)
+    assert options["num_gpus"] == 0 and kwargs["device"] == "cpu"  # asked for CPU on a GPU cluster
+
+
+def test_parallel_engine_leaves_gpus_to_its_worker_group_bundles():
+    kwargs = {"model": "m", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    plan = plan_engine_placement(kwargs, GPU_CLUSTER)
+    assert plan.device == "cuda" and plan.num_gpus == 0  # the actor itself holds none
+    options, pinned = engine_actor_options(kwargs, 1.0, GPU_CLUSTER)
+    assert options["num_gpus"] == 0 and pinned["device"] == "cuda"
+    # ... and the group's executor, deciding from the pinned config, puts one GPU in every rank's bundle.
+    assert _use_gpu(EngineConfig(**pinned))
+    assert WorkerGroupOptions(num_cpus_per_worker=2, use_gpu=True).bundle() == {"CPU": 2, "GPU": 1}
+    assert WorkerGroupOptions(use_gpu=False).bundle() == {"CPU": 1.0}
+
+
+def test_executor_auto_device_asks_the_cluster(monkeypatch):
+    monkeypatch.setattr("ray.cluster_resources", lambda: GPU_CLUSTER)
+    assert _use_gpu(EngineConfig(model="m", tensor_parallel_size=2))
+    monkeypatch.setattr("ray.cluster_resources", lambda: CPU_CLUSTER)
+    assert not _use_gpu(EngineConfig(model="m", tensor_parallel_size=2))
+
+
+class _FakeContext:
+    def __init__(self, gpu_ids: list[str]) -> None:
+        self.gpu_ids = gpu_ids
+
+    def get_accelerator_ids(self) -> dict:
+        return {"GPU": self.gpu_ids}
+
+
+@pytest.mark.parametrize(("assigned", "before", "after"),
+                         [(["3"], None, "3"), (["3"], "3", "3"), ([], None, ""), (["1", "2"], "0,1,2,3", "1,2")])
+def test_actor_sees_exactly_its_assigned_gpus(monkeypatch, assigned, before, after):
+    """Ray leaves CUDA_VISIBLE_DEVICES alone for a zero-GPU actor (it would see, and use, cuda:0) and
+    under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: the actor narrows it to what it reserved."""
+    monkeypatch.setattr(placement, "_in_ray_actor", lambda: True)
+    monkeypatch.setattr(placement.ray, "get_runtime_context", lambda: _FakeContext(assigned))
+    if before is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
+    restrict_to_assigned_gpus()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == after
+
+
+def test_outside_an_actor_visible_gpus_are_left_alone(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    restrict_to_assigned_gpus()  # the driver / a test process: no Ray actor
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
