@@ -36,6 +36,9 @@ class IncrementalDetokenizer:
             self._max_stop_len - 1 if params.stop and not params.include_stop_str_in_output else 0
         )
         self._last_output_offset = 0
+        # Stop strings (like EOS and stop tokens) only end the output once it has min_tokens tokens.
+        self._min_tokens = params.min_tokens
+        self._num_output_tokens = 0
         if not self._enabled:
             return
         self._special_ids = set(tokenizer.all_special_ids)
@@ -100,15 +103,25 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens and extend `output_text`; return the stop string if one matched
-        (output_text is then truncated at it), else None."""
+        (output_text is then truncated at it), else None.
+
+        A stop string counts only if it ends in text that arrived once the output had at least
+        `min_tokens` tokens; text before that is ordinary output.
+        """
         if not self._enabled or self.stop_reason is not None:
             return None
-        old_len = len(self.output_text)
+        check_from = len(self.output_text)  # matches must end past this point
         for token_id in new_token_ids:
             self._ids.append(token_id)
+            self._num_output_tokens += 1
             self.output_text += self._advance()
-        if self.params.stop and len(self.output_text) > old_len:
-            return self._check_stop(old_len)
+            if self._num_output_tokens < self._min_tokens:
+                check_from = len(self.output_text)
+            elif self.params.stop and len(self.output_text) > check_from:
+                stop = self._check_stop(check_from)
+                if stop is not None:
+                    return stop
+                check_from = len(self.output_text)
         return None
 
     def _check_stop(self, old_len: int) -> str | None:

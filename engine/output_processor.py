@@ -121,12 +121,12 @@ class OutputProcessor:
                         state.cumulative_logprob += entries[0][1]
                 if state.params.detokenize:
                     stop_str = state.detokenizer.update(out.new_token_ids)
-                    if stop_str is not None and finish_reason is None:
+                    if stop_str is not None:
+                        if finish_reason is None:
+                            # The engine emits one token per step, so that token completed the stop string.
+                            stopped_by_string.append(state.request_id)
+                        # The text ends at the stop string even if the engine also hit a limit on this token.
                         finish_reason, stop_reason = "stop", stop_str
-                        # The engine emits one token per step, so that token completed the stop string.
-                        stopped_by_string.append(state.request_id)
-                    elif stop_str is not None:
-                        stop_reason = stop_str
             if not out.new_token_ids and finish_reason is None:
                 continue  # a prefill chunk that only carried prompt logprobs
             request_output = self._make_output(state, finish_reason, stop_reason)

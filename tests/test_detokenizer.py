@@ -207,3 +207,31 @@ def test_detokenize_false_does_no_text_work(byte_tok):
     assert detok.update(enc(byte_tok, "the fox")) is None
     assert detok.output_text == ""
     assert detok.get_next_output_text(finished=True, delta=True) == ""
+
+
+def _first_token_completing(tok, ids: list[int], needle: str, after: int = 0) -> int:
+    """Number of output tokens at which `needle` first appears in the text past character `after`."""
+    return next(i for i in range(1, len(ids) + 1) if needle in tok.decode(ids[:i])[after:])
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_min_tokens_delays_stop_strings(byte_tok, include, chunk):
+    text = "the fox\nthe lazy dog\nmore words\n"
+    ids = enc(byte_tok, text)
+    first = _first_token_completing(byte_tok, ids, "\n")
+    second = _first_token_completing(byte_tok, ids, "\n", after=text.index("\n") + 1)
+    assert first < second
+    kw = dict(stop=["\n"], include_stop_str_in_output=include)
+    # With exactly `first` tokens required, the first newline (completed by token `first`) stops.
+    detok, deltas, matched = run(byte_tok, [], ids, chunk=chunk, min_tokens=first, **kw)
+    expected = text[: text.index("\n") + include]
+    assert matched == "\n" and detok.output_text == expected == "".join(deltas)
+    # One more required token: the first newline is ordinary text, the next one stops.
+    detok, deltas, matched = run(byte_tok, [], ids, chunk=chunk, min_tokens=first + 1, **kw)
+    end = text.index("\n", text.index("\n") + 1)
+    expected = text[: end + include]
+    assert matched == "\n" and detok.output_text == expected == "".join(deltas)
+    # Past every newline: no stop at all.
+    detok, _, matched = run(byte_tok, [], ids, chunk=chunk, min_tokens=len(ids) + 1, max_tokens=len(ids) + 1, **kw)
+    assert matched is None and detok.output_text == text
