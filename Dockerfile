@@ -1,0 +1,45 @@
+# syntax=docker/dockerfile:1
+# The pagedserve image the KubeRay manifests (manifests/kuberay/) run: Ray's image + torch + pagedserve
+# + the bundled default model at /home/ray/models/pagedserve-default (the `model` the manifests pass).
+#
+#   CPU (the default):
+#     docker build -t pagedserve:0.1.0-ray2.60.0-py311-cpu .
+#   GPU (CUDA build of torch from PyPI on Ray's CUDA image):
+#     docker build --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu \
+#                  --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
+#                  -t pagedserve:0.1.0-ray2.60.0-py311-gpu .
+#
+# Tags: <pyproject version>-ray<ray version>-py311-<cpu|gpu>; tests/test_manifests.py checks that the
+# base image, torch and the tags the manifests name agree with pyproject.toml and requirements.txt.
+ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu
+FROM ${RAY_IMAGE}
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+# The compiled CPU ops (kernels/cpu) are built on first use on each node (they target the node's own
+# CPU, so an image-time build would not carry over), with the system C++ compiler.
+USER root
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+USER ray
+WORKDIR /home/ray
+
+# torch first, pinned, from the CPU index by default, so pip never pulls a multi-GB CUDA build by accident.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+
+# The project's pins (ray[serve] matches the base image's Ray), then pagedserve itself.
+COPY --chown=1000:100 requirements.txt /tmp/pagedserve/requirements.txt
+RUN pip install --no-cache-dir -r /tmp/pagedserve/requirements.txt
+COPY --chown=1000:100 . /tmp/pagedserve
+RUN pip install --no-cache-dir --no-deps /tmp/pagedserve \
+    && rm -rf /tmp/pagedserve \
+    && python -c "import pagedserve.cluster.serve_app, torch; print('pagedserve ok, torch', torch.__version__)"
+
+COPY --chown=1000:100 assets/default-model /home/ray/models/pagedserve-default
+
+ENV HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false
+LABEL org.opencontainers.image.title="pagedserve" \
+      org.opencontainers.image.version="0.1.0"

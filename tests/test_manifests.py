@@ -1,0 +1,310 @@
+"""Deployment files validated as their consumers read them: `ray up` cluster YAML (Ray's loader and
+schema), KubeRay RayCluster/RayService (the CRDs' schemas, as the API server applies them), Serve configs
+(Serve's schema and the app builder), the Dockerfile and every version tag; and the Serve app's resource
+demand against what each cluster's nodes offer. Each check has a broken copy that must fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.manifest_checks import (
+    IMAGE_MODEL_DIR, MANIFESTS, ROOT, ManifestError, as_api_server_stores, build_serve_app, check_dockerfile,
+    check_kuberay_versions, check_ray_up_files, check_ray_up_versions, cluster_spec, expected_image, load_yaml,
+    project_versions, ray_up_view, serve_configs_of, serve_deploy_paths, validate_serve_config,
+)
+from tests.manifest_resources import app_demand, check_fit, engine_demand, kuberay_nodes, pod_offer, ray_up_nodes
+
+RAY_UP = ["ray-cluster-aws.yaml", "ray-cluster-local.yaml"]
+KUBERAY = ["raycluster-cpu.yaml", "rayservice-cpu.yaml", "rayservice-gpu.yaml"]
+# The Serve config each RayCluster is meant to run (a RayService carries its own, in serveConfigV2).
+RAYCLUSTER_SERVE_CONFIG = {"raycluster-cpu.yaml": MANIFESTS / "kuberay" / "serve-config-cpu.yaml"}
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path) -> object:
+    return load_yaml(path)
+
+
+def manifest(relative: str) -> dict:
+    """A fresh (mutable) copy of a parsed manifest; parsing is cached."""
+    return copy.deepcopy(_parsed(MANIFESTS / relative))
+
+
+@pytest.fixture(scope="module")
+def serve_app():
+    from pagedserve.cluster import serve_app
+
+    return serve_app
+
+
+def serve_config_for_kuberay(name: str, obj: dict) -> dict:
+    if obj["kind"] == "RayService":
+        return serve_configs_of(obj)
+    return copy.deepcopy(_parsed(RAYCLUSTER_SERVE_CONFIG[name]))
+
+
+def check_app_fits(serve_config: dict, nodes, serve_app, model: Path, where: str) -> None:
+    """Every application's demand (from its args, through ServeArgs) fits `nodes`."""
+    from tests.manifest_checks import app_args
+
+    has_gpu = any(n.free.get("GPU", 0) > 0 for n in nodes)
+    for app in serve_config["applications"]:
+        args = serve_app.ServeArgs.model_validate(app_args(app, model))
+        demand = app_demand(args, app, serve_app.PagedServeIngress.ray_actor_options, has_gpu)
+        check_fit(demand, nodes, f"{where} / {app['name']}")
+
+
+# --------------------------------------------------------------------------- Dockerfile and versions
+
+
+def test_dockerfile_matches_project_pins():
+    check_dockerfile((ROOT / "Dockerfile").read_text())
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored and "assets/default-model" not in ignored
+
+
+def test_dockerfile_with_another_ray_base_fails():
+    text = (ROOT / "Dockerfile").read_text()
+    ray = project_versions()["ray"]
+    with pytest.raises(ManifestError, match="RAY_IMAGE"):
+        check_dockerfile(text.replace(f"rayproject/ray:{ray}-py311-cpu", "rayproject/ray:2.9.0-py311-cpu"))
+    with pytest.raises(ManifestError, match="TORCH_VERSION"):
+        check_dockerfile(text.replace(f"TORCH_VERSION={project_versions()['torch']}", "TORCH_VERSION=2.0.0"))
+
+
+# --------------------------------------------------------------------------- ray up
+
+
+@pytest.mark.parametrize("name", RAY_UP)
+def test_ray_up_config_is_what_ray_up_accepts(name):
+    config = manifest(name)
+    check_ray_up_files(config)
+    prepared = ray_up_view(config)
+    check_ray_up_versions(prepared)
+    for path in serve_deploy_paths(prepared):
+        assert path.is_file(), f"{name}: the head deploys {path}, which is not in the repository"
+
+
+def test_local_provider_node_types_are_filled_and_valid():
+    prepared = ray_up_view(manifest("ray-cluster-local.yaml"))
+    (node_type,) = prepared["available_node_types"].values()
+    assert node_type["min_workers"] == node_type["max_workers"] == len(prepared["provider"]["worker_ips"])
+
+
+@pytest.mark.parametrize("name", RAY_UP)
+def test_ray_up_misspelled_key_fails(name):
+    config = manifest(name)
+    config["head_start_ray_comands"] = config.pop("head_start_ray_commands")
+    with pytest.raises(ManifestError, match="head_start_ray_comands"):
+        ray_up_view(config)
+
+
+def test_ray_up_misspelled_node_type_key_fails():
+    config = manifest("ray-cluster-aws.yaml")
+    config["available_node_types"]["gpu-worker"]["max_worker"] = 3
+    with pytest.raises(ManifestError, match="max_worker"):
+        ray_up_view(config)
+
+
+def test_ray_up_wrong_ray_image_fails():
+    config = manifest("ray-cluster-aws.yaml")
+    config["available_node_types"]["gpu-worker"]["docker"]["worker_image"] = "rayproject/ray:2.9.0-py311-gpu"
+    with pytest.raises(ManifestError, match="docker image"):
+        check_ray_up_versions(ray_up_view(config))
+
+
+def test_ray_up_app_fits_node_types(serve_app, tiny_llama):
+    prepared = ray_up_view(manifest("ray-cluster-aws.yaml"))
+    (path,) = serve_deploy_paths(prepared)
+    config = load_yaml(path)
+    for app in config["applications"]:  # the model the Serve config names is where file_mounts put it
+        assert app["args"]["model"] in prepared["file_mounts"], f"{path.name}: model is not a mounted directory"
+    check_app_fits(config, ray_up_nodes(prepared), serve_app, tiny_llama, "ray-cluster-aws.yaml")
+
+
+def test_ray_up_engine_bigger_than_a_node_fails(serve_app, tiny_llama):
+    prepared = ray_up_view(manifest("ray-cluster-aws.yaml"))
+    config = load_yaml(serve_deploy_paths(prepared)[0])
+    config["applications"][0]["args"]["num_cpus_per_engine"] = 16
+    with pytest.raises(ManifestError, match="engine actor 0 needs"):
+        check_app_fits(config, ray_up_nodes(prepared), serve_app, tiny_llama, "aws")
+
+
+# --------------------------------------------------------------------------- KubeRay
+
+
+@pytest.mark.parametrize("name", KUBERAY)
+def test_kuberay_manifest_is_what_the_api_server_accepts(name):
+    obj = manifest(f"kuberay/{name}")
+    stored = as_api_server_stores(obj)
+    check_kuberay_versions(stored)
+    if obj["kind"] == "RayService":
+        http = serve_configs_of(obj).get("http_options", {})
+        assert http.get("host") == "0.0.0.0", "the Serve proxy must listen on the pod IP for the serve Service"
+
+
+@pytest.mark.parametrize("name", KUBERAY)
+def test_kuberay_app_fits_worker_groups(name, serve_app, tiny_llama):
+    obj = manifest(f"kuberay/{name}")
+    nodes = kuberay_nodes(cluster_spec(as_api_server_stores(obj)))
+    check_app_fits(serve_config_for_kuberay(name, obj), nodes, serve_app, tiny_llama, name)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda s: s["workerGroupSpecs"][0].__setitem__("rayStartParam", {"num-cpus": "4"}), "rayStartParam"),
+        (lambda s: s["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].__setitem__("imagePullPolicyy", "Always"),
+         "imagePullPolicyy"),
+        (lambda s: s["headGroupSpec"].__setitem__("serviceTyp", "ClusterIP"), "serviceTyp"),
+        (lambda s: s["workerGroupSpecs"][0].__setitem__("replicas", "one"), "replicas"),
+        (lambda s: s["workerGroupSpecs"][0].pop("groupName"), "groupName"),
+    ],
+    ids=["misspelled-group-key", "misspelled-container-key", "misspelled-head-key", "wrong-type", "missing-required"],
+)
+@pytest.mark.parametrize("name", ["raycluster-cpu.yaml", "rayservice-gpu.yaml"])
+def test_kuberay_broken_copy_fails(name, mutate, match):
+    obj = manifest(f"kuberay/{name}")
+    mutate(cluster_spec(obj))
+    with pytest.raises(ManifestError, match=match):
+        as_api_server_stores(obj)
+
+
+def test_kuberay_misspelled_rayservice_key_fails():
+    obj = manifest("kuberay/rayservice-cpu.yaml")
+    obj["spec"]["serveConfig"] = obj["spec"].pop("serveConfigV2")
+    with pytest.raises(ManifestError, match="serveConfig"):
+        as_api_server_stores(obj)
+
+
+def test_kuberay_defaults_are_filled_and_nulls_dropped():
+    obj = manifest("kuberay/raycluster-cpu.yaml")
+    obj["spec"]["workerGroupSpecs"][0]["idleTimeoutSeconds"] = None
+    stored = as_api_server_stores(obj)
+    group = stored["spec"]["workerGroupSpecs"][0]
+    assert "idleTimeoutSeconds" not in group and group["numOfHosts"] == 1  # a CRD default
+
+
+@pytest.mark.parametrize("name", KUBERAY)
+def test_kuberay_wrong_image_or_ray_version_fails(name):
+    obj = manifest(f"kuberay/{name}")
+    head = cluster_spec(obj)["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["image"] = head["image"].replace(project_versions()["pagedserve"], "0.0.9")
+    with pytest.raises(ManifestError, match="image"):
+        check_kuberay_versions(obj)
+    obj = manifest(f"kuberay/{name}")
+    cluster_spec(obj)["rayVersion"] = "2.9.0"
+    with pytest.raises(ManifestError, match="rayVersion"):
+        check_kuberay_versions(obj)
+
+
+def test_kuberay_engine_needing_more_cpus_than_a_worker_fails(serve_app, tiny_llama):
+    obj = manifest("kuberay/rayservice-cpu.yaml")
+    config = serve_configs_of(obj)
+    config["applications"][0]["args"]["num_cpus_per_engine"] = 5  # worker pods offer 4, the head 0
+    obj["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    nodes = kuberay_nodes(cluster_spec(as_api_server_stores(obj)))
+    with pytest.raises(ManifestError, match="engine actor 0 needs"):
+        check_app_fits(serve_configs_of(obj), nodes, serve_app, tiny_llama, "rayservice-cpu")
+
+
+def test_kuberay_tp_group_that_cannot_be_packed_fails(serve_app, tiny_llama):
+    obj = manifest("kuberay/rayservice-gpu.yaml")
+    config = serve_configs_of(obj)
+    args = config["applications"][0]["args"]
+    args.update(tensor_parallel_size=2, placement_group_strategy="STRICT_PACK")  # 2 GPUs on one 1-GPU pod
+    nodes = kuberay_nodes(cluster_spec(obj))
+    with pytest.raises(ManifestError, match="worker group"):
+        check_app_fits(config, nodes, serve_app, tiny_llama, "rayservice-gpu")
+    args["placement_group_strategy"] = "PACK"  # may span pods: fits 2 of the 4 GPU pods
+    check_app_fits(config, nodes, serve_app, tiny_llama, "rayservice-gpu")
+
+
+def test_kuberay_ray_start_params_must_match_pod_limits():
+    spec = cluster_spec(manifest("kuberay/rayservice-gpu.yaml"))
+    group = spec["workerGroupSpecs"][0]
+    pod = group["template"]["spec"]
+    assert pod_offer("gpu-workers", group["rayStartParams"], pod) == {"CPU": 8, "GPU": 1}
+    with pytest.raises(ManifestError, match="num-gpus"):
+        pod_offer("gpu-workers", dict(group["rayStartParams"], **{"num-gpus": "2"}), pod)
+    with pytest.raises(ManifestError, match="num-cpus"):
+        pod_offer("gpu-workers", dict(group["rayStartParams"], **{"num-cpus": "16"}), pod)
+
+
+# --------------------------------------------------------------------------- Serve configs
+
+
+def all_serve_configs() -> list[tuple[str, dict]]:
+    configs = [(p.relative_to(MANIFESTS).as_posix(), copy.deepcopy(_parsed(p)))
+               for p in sorted(MANIFESTS.rglob("*.yaml")) if "serve" in p.name and "rayservice" not in p.name]
+    for name in KUBERAY:
+        obj = manifest(f"kuberay/{name}")
+        if obj["kind"] == "RayService":
+            configs.append((f"kuberay/{name}:serveConfigV2", serve_configs_of(obj)))
+    return configs
+
+
+SERVE_CONFIGS = all_serve_configs()
+
+
+@pytest.mark.parametrize("name, config", SERVE_CONFIGS, ids=[n for n, _ in SERVE_CONFIGS])
+def test_serve_config_is_what_serve_accepts(name, config, serve_app, tiny_llama):
+    validate_serve_config(config)
+    for app in config["applications"]:
+        built = build_serve_app(app, tiny_llama)
+        assert type(built).__name__ == "Application", f"{name}: the builder returned {built!r}"
+        model = app.get("args", {}).get("model")
+        if "kuberay" in name:  # the image's fixed model path (Dockerfile)
+            assert model == IMAGE_MODEL_DIR, f"{name}: model {model!r}, the image has it at {IMAGE_MODEL_DIR}"
+
+
+def test_rayservice_cpu_runs_the_raycluster_serve_config():
+    embedded = serve_configs_of(manifest("kuberay/rayservice-cpu.yaml"))
+    assert embedded == _parsed(RAYCLUSTER_SERVE_CONFIG["raycluster-cpu.yaml"])
+
+
+def test_serve_config_broken_copies_fail(tiny_llama):
+    base = serve_configs_of(manifest("kuberay/rayservice-cpu.yaml"))
+    misspelled = copy.deepcopy(base)
+    misspelled["applications"][0]["import_paths"] = misspelled["applications"][0].pop("import_path")
+    with pytest.raises(ManifestError, match="import_path"):
+        validate_serve_config(misspelled)
+    bad_arg = copy.deepcopy(base)["applications"][0]
+    bad_arg["args"]["block_size"] = 3
+    with pytest.raises(ManifestError, match="block_size"):
+        build_serve_app(bad_arg, tiny_llama)
+    unknown_arg = copy.deepcopy(base)["applications"][0]
+    unknown_arg["args"]["num_cpu_per_engine"] = 2
+    with pytest.raises(ManifestError, match="num_cpu_per_engine"):
+        build_serve_app(unknown_arg, tiny_llama)
+    bad_import = copy.deepcopy(base)["applications"][0]
+    bad_import["import_path"] = "pagedserve.cluster.serve_app:build_ap"
+    with pytest.raises(ManifestError, match="does not import"):
+        build_serve_app(bad_import, tiny_llama)
+
+
+# --------------------------------------------------------------------------- the demand model itself
+
+
+@pytest.mark.parametrize("tp, device, gpus", [(1, "cpu", 0), (1, "cuda", 8), (2, "cuda", 8), (1, "auto", 0)])
+def test_engine_demand_matches_what_the_engine_actor_reserves(serve_app, tiny_llama, tp, device, gpus):
+    """The mirror in manifest_resources agrees with the engine actor's own Ray options."""
+    engine_actor = pytest.importorskip("pagedserve.cluster.engine_actor")
+    if not hasattr(engine_actor, "engine_actor_options"):
+        pytest.skip("engine_actor_options is not available in this version")
+    args = serve_app.ServeArgs(model=str(tiny_llama), tensor_parallel_size=tp, device=device, num_cpus_per_engine=3)
+    options, _ = engine_actor.engine_actor_options(args.engine_kwargs(), 3, {"CPU": 64, "GPU": gpus})
+    demand = engine_demand(args, cluster_has_gpu=gpus > 0)
+    assert demand.actor == {"CPU": options["num_cpus"], "GPU": options.get("num_gpus", 0)}
+    assert [b["GPU"] for b in demand.bundles] == ([1.0] * tp if tp > 1 and gpus else [0.0] * tp if tp > 1 else [])
+
+
+def test_expected_images_name_the_project_versions():
+    v = project_versions()
+    assert expected_image("cpu") == f"pagedserve:{v['pagedserve']}-ray{v['ray']}-py311-cpu"
