@@ -52,5 +52,9 @@ class RayExecutor(Executor):
     def check_health(self) -> None:
         self.group.check_health()
 
+    @property
+    def is_failed(self) -> bool:
+        return self.group.failure is not None
+
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -234,6 +234,10 @@ class AsyncLLM:
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         self._deliver(output.request_id, output)
+                    if self.engine.engine_core.executor.is_failed:
+                        # Its workers are gone: every later step would fail too. Stop, so that the
+                        # waiting requests fail now and a supervisor (the engine actor) can restart us.
+                        raise EngineDeadError("the executor failed: its workers are gone")
                 self._last_progress = time.monotonic()
                 self._num_unfinished = self.engine.get_num_unfinished_requests()
                 self._stats = self.engine.get_stats()

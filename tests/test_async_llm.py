@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagedserve.engine.config import EngineConfig
 
 
@@ -168,3 +169,29 @@ def test_batched_abort_reaches_the_engine_as_one_call_and_frees_blocks(async_llm
     assert calls[0] == [f"batch-{i}" for i in range(6)]  # one engine call for the six
     assert stats.num_unfinished == 0
     assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+
+
+def test_failed_executor_stops_the_engine_so_it_can_be_restarted(tiny_llama):
+    """A step whose workers are gone fails its batch; after that the executor can do nothing more, so
+    the loop stops: waiting requests fail with EngineDeadError and the engine reports itself dead."""
+    engine = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory="8MiB"))
+    executor = engine.engine.engine_core.executor
+    workers_gone = threading.Event()
+    executor.__class__ = type("LosingExecutor", (type(executor),),
+                              {"is_failed": property(lambda self: workers_gone.is_set())})
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        stream = engine.generate("hello", params)
+        await stream.__anext__()
+        workers_gone.set()
+        with pytest.raises(EngineDeadError, match="executor failed"):
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+        stats = engine.get_stats()
+        assert not stats.engine_alive and not stats.healthy
+    finally:
+        engine.shutdown()

@@ -59,5 +59,10 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
+    @property
+    def is_failed(self) -> bool:
+        """True once the executor can run no more steps (a worker died and took its group down); cheap."""
+        return False
+
     def shutdown(self) -> None:
         pass
