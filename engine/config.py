@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedserve.engine.device_limits import check_block_size
+
 logger = logging.getLogger(__name__)
 
 _SIZE_UNITS = {
@@ -43,6 +45,34 @@ def _available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def context_limit(hf_config: Any) -> tuple[int, str]:
+    """The longest max_model_len the model's positions support, and where that number comes from.
+
+    Plain RoPE: max_position_embeddings. RoPE scaling with a factor (transformers 5's
+    ``rope_parameters`` or the older ``rope_scaling``) extends it as vLLM does: llama3
+    configs already count the extension in max_position_embeddings (or use
+    original_max_position_embeddings * factor if larger), yarn scales
+    original_max_position_embeddings, the others (linear, dynamic, ...) max_position_embeddings.
+    """
+    max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    source = f"max_position_embeddings {max_pos}"
+    scaling = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not isinstance(scaling, dict):
+        return max_pos, source
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    factor = scaling.get("factor")
+    if rope_type == "default" or not isinstance(factor, (int, float)) or factor <= 1:
+        return max_pos, source
+    original = scaling.get("original_max_position_embeddings")
+    if rope_type == "llama3":
+        limit = max(max_pos, int(original * factor)) if original else max_pos
+    elif rope_type == "yarn":
+        limit = int((original or max_pos) * factor)
+    else:
+        limit = int(max_pos * factor)
+    return limit, f"{source} with {rope_type} RoPE scaling (factor {factor})"
 
 
 def default_kv_cache_memory() -> int:
@@ -92,6 +122,7 @@ class EngineConfig(BaseModel):
     @field_validator("block_size")
     @classmethod
     def _check_block_size(cls, v: int) -> int:
+        # The device's own range (device_limits) is checked by resolve(), where the device is known.
         if v & (v - 1):
             raise ValueError(f"block_size: must be a power of two, got {v}")
         return v
@@ -136,10 +167,15 @@ class EngineConfig(BaseModel):
         if not os.path.isdir(self.model):
             raise ValueError(f"model: {self.model!r} is not a local directory (pagedserve loads HF-format folders)")
         hf_config = AutoConfig.from_pretrained(self.model)
-        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        check_block_size(self.block_size, self.resolved_device)
+        max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
         max_model_len = self.max_model_len or max_pos
-        if max_model_len > max_pos:
-            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, max_pos)
+        limit, source = context_limit(hf_config)
+        if max_model_len > limit:
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds what the model's positions support ({limit}, from its "
+                f"{source}); lower max_model_len to at most {limit}"
+            )
         if self.max_num_batched_tokens is not None:
             budget = self.max_num_batched_tokens
         else:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from pagedserve.engine.device_limits import auto_dtype
 from pagedserve.engine.models.registry import get_model_class
 from pagedserve.parallel.state import ParallelContext
 
@@ -21,20 +22,27 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
-    """"auto" -> the checkpoint's dtype from the config (float32 if absent); else a named dtype."""
+def resolve_dtype(dtype: str, hf_config: Any, device: str | torch.device = "cpu") -> torch.dtype:
+    """"auto" -> the checkpoint's dtype from the config (float32 if absent), run as bf16/fp16 on CUDA
+    when that is float32 (device_limits.auto_dtype); else a named dtype."""
     if dtype == "auto":
-        cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(cfg_dtype, torch.dtype):
-            return cfg_dtype
-        if isinstance(cfg_dtype, str):
-            name = cfg_dtype.removeprefix("torch.")
-            if name in _DTYPES:
-                return _DTYPES[name]
-        return torch.float32
+        device_type = torch.device(device).type
+        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
+        return auto_dtype(_checkpoint_dtype(hf_config), device_type, bf16)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def _checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg_dtype, torch.dtype):
+        return cfg_dtype
+    if isinstance(cfg_dtype, str):
+        name = cfg_dtype.removeprefix("torch.")
+        if name in _DTYPES:
+            return _DTYPES[name]
+    return torch.float32
 
 
 def checkpoint_files(model_path: str) -> list[Path]:
@@ -64,17 +72,19 @@ def load_model(
     dtype: torch.dtype,
     parallel: ParallelContext,
     device: str | torch.device = "cpu",
+    max_position: int | None = None,
 ) -> torch.nn.Module:
     """Build the model for ``hf_config`` on ``device`` and load its weights (eval mode, no grad).
 
     Weights of other pipeline stages are never read; sharded layers read only this
     rank's slice through safetensors' lazy ``get_slice``. Raises ValueError for
-    weights the model does not know and for parameters the checkpoint lacks.
+    weights the model does not know and for parameters the checkpoint lacks. `max_position`
+    (max_model_len) sizes the RoPE cache when it exceeds max_position_embeddings (RoPE scaling).
     """
     model_cls = get_model_class(hf_config)
     files = checkpoint_files(model_path)
     with torch.device(device), torch.no_grad():
-        model = model_cls(hf_config, dtype=dtype, parallel=parallel)
+        model = model_cls(hf_config, dtype=dtype, parallel=parallel, max_position=max_position)
     loaded: set[str] = set()
     with torch.no_grad():
         for path in files:

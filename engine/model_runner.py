@@ -60,7 +60,7 @@ class ModelRunner:
         self.parallel = parallel
         self.device = device
         self.hf_config = config.hf_config
-        self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, device)
         self.block_size = config.block_size
         self.is_first_stage = parallel.pp_rank == 0
         self.is_last_stage = parallel.pp_rank == parallel.pp_size - 1
@@ -82,7 +82,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             load_cpu_ops()  # build/load the compiled CPU ops now, not inside the first decode step
         torch.manual_seed(self.config.seed)
-        self.model = load_model(self.config.model, self.hf_config, self.dtype, self.parallel, device=self.device)
+        self.model = load_model(
+            self.config.model, self.hf_config, self.dtype, self.parallel, device=self.device,
+            max_position=self.config.max_model_len,
+        )
 
     def kv_cache_bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_size = self.model.kv_cache_shape_per_layer()
@@ -95,6 +98,12 @@ class ModelRunner:
         self.kv_caches = [(self._zeros_kv(shape), self._zeros_kv(shape)) for _ in range(num_layers)]
         if self.kv_hooks is not None:
             self.kv_hooks.register_kv_caches(self.kv_caches)
+
+    def warm_up(self) -> None:
+        """Compile every kernel variant now, not in a served step (engine.warmup)."""
+        from pagedserve.engine.warmup import warm_up_kernels
+
+        warm_up_kernels(self)
 
     def _zeros_kv(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":

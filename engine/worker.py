@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.device_limits import should_warm_up
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.parallel.state import ParallelContext, destroy_distributed, init_distributed
@@ -63,6 +64,9 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        if should_warm_up(self.device):
+            logger.info("warming up the Triton kernels (one compile per variant, before serving)")
+            self.model_runner.warm_up()
 
     def set_fault_injector(self, fault_injector: Callable[[str, str], None] | None) -> None:
         """Test hook: see ModelRunner.fault_injector (None turns it off)."""

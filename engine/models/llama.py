@@ -9,7 +9,7 @@ Module names follow the HF checkpoints except for the fused ``qkv_proj`` and
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Iterable
 
 import torch
@@ -227,10 +227,16 @@ class LlamaForCausalLM(nn.Module):
             sliding_windows=cls.sliding_windows(hf_config, num_layers),
         )
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, parallel: ParallelContext) -> None:
+    def __init__(
+        self, hf_config: Any, dtype: torch.dtype, parallel: ParallelContext, max_position: int | None = None
+    ) -> None:
+        """max_position: positions the RoPE cache must cover (max_model_len) when above the config's."""
         super().__init__()
         self.config = hf_config
-        self.spec = spec = self.spec_from_config(hf_config)
+        spec = self.spec_from_config(hf_config)
+        if max_position is not None and max_position > spec.max_position:
+            spec = replace(spec, max_position=max_position)
+        self.spec = spec
         self.parallel = parallel
         self.dtype = dtype
         self.model = DecoderModel(spec, parallel, dtype)

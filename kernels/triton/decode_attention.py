@@ -20,7 +20,14 @@ from pagedserve.kernels.triton.paged_blocks import attend_paged_blocks
 DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition (a multiple of the block size)
 
 
-@triton.jit
+# Integer arguments that change from step to step (context length, block-table width): Triton
+# specialises ints on their value (== 1, divisible by 16), which would compile new variants
+# in the middle of serving.
+DECODE_PER_STEP_ARGS = ["num_partitions", "stride_bt"]
+REDUCE_PER_STEP_ARGS = ["num_partitions"]
+
+
+@triton.jit(do_not_specialize=DECODE_PER_STEP_ARGS)
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -68,7 +75,7 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REDUCE_PER_STEP_ARGS)
 def _decode_reduce_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     group, head_size, num_partitions, stride_os, stride_oh,

@@ -18,7 +18,13 @@ from pagedserve.kernels.triton._utils import dot_precision, interpreting
 from pagedserve.kernels.triton.paged_blocks import attend_paged_blocks
 
 
-@triton.jit
+# Per-step arguments (see decode_attention): the block table's width, and the tables sliced past
+# the decode rows, whose pointer alignment changes with the number of decodes.
+PREFILL_PER_STEP_ARGS = ["stride_bt"]
+PREFILL_PER_STEP_POINTERS = ["block_tables_ptr", "seq_lens_ptr"]
+
+
+@triton.jit(do_not_specialize=PREFILL_PER_STEP_ARGS, do_not_specialize_on_alignment=PREFILL_PER_STEP_POINTERS)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     scale, sliding_window, group, head_size,
