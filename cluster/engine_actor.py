@@ -42,7 +42,12 @@ import ray
 from ray.exceptions import ActorUnavailableError
 from pydantic import ValidationError
 
-from pagedserve.cluster.placement import pinned_engine_kwargs, plan_engine_placement, restrict_to_assigned_gpus
+from pagedserve.cluster.placement import (
+    pinned_engine_kwargs,
+    plan_engine_placement,
+    restrict_to_assigned_gpus,
+    warn_if_gpus_short,
+)
 from pagedserve.cluster.ray_utils import ensure_ray
 from pagedserve.cluster.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
 from pagedserve.engine.async_llm import AsyncLLM
@@ -243,8 +248,10 @@ def start_engine_actors(
     EngineConfig(**engine_kwargs)  # fail fast in the caller on bad engine arguments
     ensure_ray()
     concurrency = max_concurrency or max_pending_requests + 64  # + room for stats/health/abort calls
-    options, pinned_kwargs = engine_actor_options(engine_kwargs, num_cpus_per_engine, ray.cluster_resources(),
+    resources = ray.cluster_resources()
+    options, pinned_kwargs = engine_actor_options(engine_kwargs, num_cpus_per_engine, resources,
                                                   max_restarts=max_restarts, max_concurrency=concurrency)
+    warn_if_gpus_short(data_parallel_size, pinned_kwargs, resources)
     actor_cls = ray.remote(EngineActor)
     engines = []
     for index in range(data_parallel_size):

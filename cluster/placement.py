@@ -35,6 +35,10 @@ def uses_gpu(device: str, cluster_resources: Mapping[str, float]) -> bool:
     return cluster_resources.get("GPU", 0) >= 1
 
 
+def _world_size(engine_kwargs: Mapping) -> int:
+    return int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
+
+
 @dataclass(frozen=True)
 class EnginePlacement:
     """The resources of one engine actor, and the device its engine config is pinned to."""
@@ -49,12 +53,17 @@ class EnginePlacement:
 def plan_engine_placement(engine_kwargs: Mapping, cluster_resources: Mapping[str, float]) -> EnginePlacement:
     """Decide an engine's device and the GPUs its actor reserves (pure: unit-testable on a fake cluster)."""
     device = str(engine_kwargs.get("device", "auto"))
-    world_size = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
+    world_size = _world_size(engine_kwargs)
     gpu = uses_gpu(device, cluster_resources)
-    if gpu and cluster_resources.get("GPU", 0) < world_size:
-        logger.warning("engine needs %d GPU(s) but the Ray cluster reports %s now; it waits until they appear",
-                       world_size, cluster_resources.get("GPU", 0))
     return EnginePlacement(device="cuda" if gpu else "cpu", num_gpus=1 if gpu and world_size == 1 else 0)
+
+
+def warn_if_gpus_short(num_engines: int, engine_kwargs: Mapping, cluster_resources: Mapping[str, float]) -> None:
+    """Engines on CUDA wait (pending in Ray) until the cluster has their GPUs: say so up front."""
+    needed, have = num_engines * _world_size(engine_kwargs), cluster_resources.get("GPU", 0)
+    if engine_kwargs.get("device") == "cuda" and have < needed:
+        logger.warning("%d engine(s) need %d GPU(s) but the Ray cluster has %s now; they wait until GPUs join",
+                       num_engines, needed, have)
 
 
 def pinned_engine_kwargs(engine_kwargs: Mapping, placement: EnginePlacement) -> dict:

@@ -86,3 +86,12 @@ def test_outside_an_actor_visible_gpus_are_left_alone(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     restrict_to_assigned_gpus()  # the driver / a test process: no Ray actor
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_too_few_gpus_for_all_engines_is_logged(caplog):
+    kwargs = {"model": "m", "device": "cuda", "tensor_parallel_size": 2}
+    with caplog.at_level("WARNING", logger="pagedserve.cluster.placement"):
+        placement.warn_if_gpus_short(4, kwargs, GPU_CLUSTER)  # 4 engines x 2 ranks = 8 GPUs: enough
+        assert not caplog.records
+        placement.warn_if_gpus_short(5, kwargs, GPU_CLUSTER)
+    assert "need 10 GPU(s)" in caplog.text
