@@ -41,7 +41,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--kv-cache-memory", help="KV cache budget on CPU, e.g. 4GiB")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
-    parser.add_argument("--max-logprobs", type=int)
+    parser.add_argument("--max-logprobs", type=int, help="most logprobs a request may ask for (default 20)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int)
     parser.add_argument("--distributed-executor-backend", choices=["uni", "ray"])
@@ -61,6 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
     serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
     serve_parser.add_argument("--num-cpus-per-engine", type=float)
+    serve_parser.add_argument("--max-n", type=int, help="largest n / best_of a request may ask for (default 16)")
+    serve_parser.add_argument("--max-request-body-bytes", type=int,
+                              help="larger request bodies get a 413; also the longest rendered chat prompt, in "
+                                   "characters (default 16 MiB)")
+    serve_parser.add_argument("--tokenizer-pool-size", type=int,
+                              help="threads that tokenize and render chat templates off the event loop (default 2)")
+    serve_parser.add_argument("--trust-request-chat-template", action="store_true", default=None,
+                              help="render a chat_template sent in the request (refused by default)")
+    serve_parser.add_argument("--metrics-require-auth", action="store_true", default=None,
+                              help="/metrics needs the API key too (default: open, like /health)")
 
     gen = sub.add_parser("generate", help="generate a completion offline (no server)")
     _add_engine_flags(gen)

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from pagedserve.cluster.serving.settings import ServeArgs
+from tests.local_serving import ScriptedCoordinator
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -66,7 +67,9 @@ def metric(text: str, name: str) -> float:
 
 
 def wait_idle(http: httpx.Client, deadline_s: float = 60.0) -> str:
-    """Poll /metrics until no request runs or waits and every KV block is free; returns the last scrape."""
+    """Poll /metrics until no request runs or waits and every KV block is free; returns the last scrape.
+    /metrics serves the coordinator's background poll (every 0.5 s): let one pass first."""
+    time.sleep(1.0)
     end = time.monotonic() + deadline_s
     while True:
         text = http.get("/metrics").text
@@ -281,7 +284,13 @@ def test_client_disconnect_aborts_and_frees_blocks(server, http):
             lines = response.iter_lines()
             received = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
             assert received
-            during = http.get("/metrics").text
+            # /metrics serves the coordinator's last poll: wait (bounded) for one that saw the request
+            end = time.monotonic() + 30
+            while True:
+                during = http.get("/metrics").text
+                if metric(during, "pagedserve:num_requests_running") == 1 or time.monotonic() > end:
+                    break
+                time.sleep(0.1)
             assert metric(during, "pagedserve:num_requests_running") == 1
             assert metric(during, "pagedserve:kv_cache_free_blocks") < metric(during, "pagedserve:kv_cache_total_blocks")
         # leaving the block closes the connection mid-stream
@@ -334,51 +343,6 @@ def test_bounded_load(server, http):
 
 
 # --------------------------------------------------------------------------- scripted engine (in-process)
-
-
-class ScriptedCoordinator:
-    """The coordinator's API over scripted outputs: `tokens` per request, then `error` (if any) or finish."""
-
-    def __init__(self, tokens: int = 3, error: BaseException | None = None, fail_at_start: BaseException | None = None,
-                 gate: asyncio.Event | None = None) -> None:
-        self.tokens = tokens
-        self.error = error
-        self.fail_at_start = fail_at_start
-        self.gate = gate
-        self.healthy = True
-        self.aborted: list[str] = []
-
-    async def generate(self, request_id, prompt_token_ids, sampling_params, priority=0):
-        from pagedserve.engine.outputs import CompletionOutput, RequestOutput
-
-        if self.fail_at_start is not None:
-            raise self.fail_at_start
-        finished = False
-        try:
-            for step in range(self.tokens):
-                if self.gate is not None and step == 1:
-                    await self.gate.wait()
-                last = step == self.tokens - 1 and self.error is None
-                out = CompletionOutput(0, f"t{step} ", [10 + step], None, None, "length" if last else None)
-                finished = last
-                yield RequestOutput(request_id, None, list(prompt_token_ids), None, [out], last)
-            if self.error is not None:
-                raise self.error
-        finally:
-            if not finished:
-                self.aborted.append(request_id)
-
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
-
-    async def refresh_stats(self):
-        return []
-
-    def aggregate_stats(self):
-        return {"num_running": 0, "engines": [{"engine_index": 0, "healthy": self.healthy}]}
-
-    def is_healthy(self):
-        return self.healthy
 
 
 @pytest.fixture()

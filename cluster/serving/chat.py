@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.errors import bad_request
-from pagedserve.cluster.serving.formatting import chat_logprobs, sse, usage
+from pagedserve.cluster.serving.formatting import chat_logprobs, prompt_logprobs, sse, usage
 from pagedserve.cluster.serving.requests import ChatCompletionRequest
 from pagedserve.cluster.serving.responses import (
     ChatChoice,
@@ -26,12 +26,16 @@ from pagedserve.engine.outputs import RequestOutput
 
 async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest) -> Response:
     serving.check_model(request.model)
+    serving.check_limits(request)
     try:
         conversation = request.conversation()
     except ValueError as exc:
         raise bad_request(exc) from None
-    ids = serving.encode_chat(conversation, request.chat_template, request.add_generation_prompt,
-                              request.continue_final_message)
+    ids = await serving.encode_chat(conversation, request.chat_template, request.add_generation_prompt,
+                                    request.continue_final_message, request.add_special_tokens)
+    keep = request.truncate_prompt_tokens
+    if keep is not None and len(ids) > keep:
+        ids = ids[-keep:]
     serving.check_prompt_length(ids, "messages")
     prompts = [EncodedPrompt(0, None, ids)]
     params = [serving.sampling_params(request, serving.max_tokens_for(request, len(ids), default_applies=False))]
@@ -50,8 +54,10 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
                        finish_reason=choice.output.finish_reason, stop_reason=choice.output.stop_reason)
             for idx, choice in sorted(collected.choices.items())
         ]
+        prompt_lps = collected.prompt_logprobs.get(0)
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
-                                      usage=usage(prompts, collected.completion_tokens))
+                                      usage=usage(prompts, collected.completion_tokens),
+                                      prompt_logprobs=prompt_logprobs(prompt_lps) if prompt_lps else None)
 
     def chunk(choices: list[ChatStreamChoice], completion_tokens: int) -> str:
         body = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import Response
 
 from pagedserve.cluster.serving.core import OpenAIServing
-from pagedserve.cluster.serving.formatting import completion_logprobs, sse, usage
+from pagedserve.cluster.serving.formatting import completion_logprobs, prompt_logprobs, sse, usage
 from pagedserve.cluster.serving.requests import CompletionRequest
 from pagedserve.cluster.serving.responses import CompletionChoice, CompletionResponse
 from pagedserve.cluster.serving.streams import EncodedPrompt, chain, collect
@@ -18,7 +18,8 @@ from pagedserve.engine.outputs import RequestOutput
 
 async def create_completion(serving: OpenAIServing, request: CompletionRequest) -> Response:
     serving.check_model(request.model)
-    prompts = [serving.encode_completion_prompt(i, p) for i, p in enumerate(request.prompts())]
+    serving.check_limits(request)
+    prompts = [await serving.encode_completion_prompt(i, p, request) for i, p in enumerate(request.prompts())]
     default_applies = "max_tokens" not in request.model_fields_set
     params = [serving.sampling_params(request, serving.max_tokens_for(request, len(p.token_ids), default_applies))
               for p in prompts]
@@ -29,10 +30,13 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest) 
     tokenizer = serving.tokenizer
     model_name = serving.model_name
 
+    echoed: dict[int, str] = {}
+    if request.echo:
+        for p in prompts:
+            echoed[p.index] = p.text if p.text is not None else await serving.run_blocking(tokenizer.decode, p.token_ids)
+
     def echo_prefix(p: EncodedPrompt) -> str:
-        if not request.echo:
-            return ""
-        return p.text if p.text is not None else tokenizer.decode(p.token_ids)
+        return echoed.get(p.index, "")
 
     async def collect_response(first: tuple[int, RequestOutput], rest: AsyncIterator) -> CompletionResponse:
         collected = await collect(first, rest, n)
@@ -41,9 +45,11 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest) 
             choice = collected.choices[idx]
             acc = choice.output
             logprobs = completion_logprobs(acc, num_logprobs, 0, tokenizer) if num_logprobs is not None else None
+            prompt_lps = collected.prompt_logprobs.get(choice.prompt_index)
             choices.append(CompletionChoice(index=idx, text=echo_prefix(prompts[choice.prompt_index]) + choice.text,
                                             logprobs=logprobs, finish_reason=acc.finish_reason,
-                                            stop_reason=acc.stop_reason))
+                                            stop_reason=acc.stop_reason,
+                                            prompt_logprobs=prompt_logprobs(prompt_lps) if prompt_lps else None))
         return CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                   usage=usage(prompts, collected.completion_tokens))
 

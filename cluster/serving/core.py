@@ -1,28 +1,33 @@
 """`OpenAIServing`: what every endpoint shares (the coordinator, tokenizer, settings, metrics),
-the checks on model, key, prompt length and token budget, admission, and answering a request's
-engine streams as one JSON body or as SSE."""
+the checks on model, key, server limits, prompt length and token budget, tokenization and chat
+templates off the event loop, admission, and answering a request's engine streams as one JSON body
+or as SSE."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.metrics import ServingMetrics
-from pagedserve.cluster.serving.errors import APIError, bad_request, engine_error
+from pagedserve.cluster.serving.context import current_request_id
+from pagedserve.cluster.serving.errors import APIError, bad_request, engine_error, error_body
 from pagedserve.cluster.serving.formatting import sse
-from pagedserve.cluster.serving.requests import ChatCompletionRequest, SamplingRequest
-from pagedserve.cluster.serving.responses import ErrorResponse
+from pagedserve.cluster.serving.requests import SamplingRequest
 from pagedserve.cluster.serving.settings import ServeArgs
 from pagedserve.cluster.serving.streams import EncodedPrompt, RequestTimer, merge_streams, timed
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class OpenAIServing:
@@ -34,8 +39,17 @@ class OpenAIServing:
         self.args = args
         self.model_name = args.model_name
         self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
         self.metrics = ServingMetrics(self.model_name, coordinator.aggregate_stats, max_model_len)
         self.num_in_flight = 0
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU-bound work (tokenizing, detokenizing, rendering a chat template) in the bounded
+        thread pool, so that the event loop keeps answering (health probes, streams) meanwhile."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.args.tokenizer_pool_size)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._limiter)
 
     # ---------------------------------------------------------------- checks
 
@@ -48,9 +62,10 @@ class OpenAIServing:
         expected = self.args.api_key_digest
         if expected is None:
             return
-        scheme, _, presented = (authorization or "").partition(" ")
-        digest = hashlib.sha256(presented.encode()).hexdigest()
-        if scheme != "Bearer" or not secrets.compare_digest(digest, expected):
+        scheme, _, presented = (authorization or "").strip().partition(" ")
+        digest = hashlib.sha256(presented.strip().encode("utf-8", "surrogateescape")).hexdigest()
+        # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(digest, expected):
             raise APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>`).",
                            type="authentication_error", code="invalid_api_key")
 
@@ -65,31 +80,74 @@ class OpenAIServing:
                 param=param, code="context_length_exceeded",
             )
 
+    def check_limits(self, request: SamplingRequest) -> None:
+        """The server's limits on n / best_of / logprobs, and logit_bias keys inside the vocabulary."""
+        max_n = self.args.max_n
+        for name in ("n", "best_of"):
+            value = getattr(request, name, None)
+            if value is not None and value > max_n:
+                raise APIError(400, f"{name}: at most {max_n} are allowed, got {value}", param=name)
+        max_logprobs = self.args.max_logprobs
+        for name, value in ((request.logprobs_field(), request.requested_logprobs()),
+                            ("prompt_logprobs", request.prompt_logprobs)):
+            if value is not None and value > max_logprobs:
+                raise APIError(400, f"{name}: at most {max_logprobs} are allowed, got {value}", param=name)
+        outside = [k for k in request.logit_bias or {} if int(k) >= self.vocab_size]
+        if outside:
+            raise APIError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                                f"(size {self.vocab_size})", param="logit_bias")
+
     # ---------------------------------------------------------------- tokenization
 
-    def encode_completion_prompt(self, index: int, prompt: str | list[int]) -> EncodedPrompt:
+    def _truncate(self, ids: list[int], request: SamplingRequest) -> list[int]:
+        keep = request.truncate_prompt_tokens
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
+    async def encode_completion_prompt(self, index: int, prompt: str | list[int],
+                                       request: SamplingRequest) -> EncodedPrompt:
         if isinstance(prompt, str):
-            prompt_ids = list(self.tokenizer(prompt).input_ids)
-            encoded = EncodedPrompt(index, prompt, prompt_ids)
+            add_special = getattr(request, "add_special_tokens", True)
+            ids = await self.run_blocking(lambda: list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids))
+            truncated = self._truncate(ids, request)
+            encoded = EncodedPrompt(index, prompt if truncated is ids else None, truncated)
         else:
-            encoded = EncodedPrompt(index, None, list(prompt))
+            encoded = EncodedPrompt(index, None, self._truncate(list(prompt), request))
         self.check_prompt_length(encoded.token_ids, "prompt")
         return encoded
 
-    def encode_chat(self, conversation: list[dict[str, str]], chat_template: str | None,
-                    add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+    def check_chat_template(self, chat_template: str | None) -> None:
+        if chat_template is not None and not self.args.trust_request_chat_template:
+            raise APIError(400, "chat_template: a chat template in the request is not accepted by this server "
+                                "(start it with --trust-request-chat-template to allow it)", param="chat_template")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "chat_template: the model's tokenizer has no chat template", param="chat_template")
-        try:
-            ids = self.tokenizer.apply_chat_template(
+
+    async def encode_chat(self, conversation: list[dict[str, str]], chat_template: str | None,
+                          add_generation_prompt: bool, continue_final_message: bool = False,
+                          add_special_tokens: bool = False) -> list[int]:
+        """Render the conversation with the chat template and tokenize it, in the thread pool; a
+        rendered prompt over the size limit (`max_request_body_bytes` characters) is refused."""
+        self.check_chat_template(chat_template)
+        limit = self.args.max_request_body_bytes
+
+        def render() -> list[int] | int:
+            text = self.tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True,
+                continue_final_message=continue_final_message, tokenize=False,
             )
-        except Exception as exc:  # jinja errors, bad roles...
-            raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+            if len(text) > limit:
+                return len(text)
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+        try:
+            ids = await self.run_blocking(render)
+        except Exception as exc:  # jinja errors, bad roles, a template that recurses...
+            message = str(exc)[:500]
+            raise APIError(400, f"messages: the chat template failed: {message}", param="messages") from None
+        if isinstance(ids, int):
+            raise APIError(400, f"messages: the rendered prompt has {ids} characters, more than the server's "
+                                f"limit of {limit}", param="messages")
+        return ids
 
     # ---------------------------------------------------------------- sampling
 
@@ -110,20 +168,15 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int) -> dict:
         try:
-            params = request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens, self.vocab_size)
         except ValueError as exc:
             raise bad_request(exc) from None
-        limit = self.args.max_logprobs
-        if params.logprobs is not None and params.logprobs > limit:
-            name = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
-            raise APIError(400, f"{name}: at most {limit} are allowed, got {params.logprobs}", param=name)
         return params.model_dump()
 
     # ---------------------------------------------------------------- admission and answering
 
     def admit(self) -> None:
         if self.num_in_flight >= self.args.max_pending_requests:
-            self.metrics.observe_error(503)
             raise APIError(503, f"the server has {self.num_in_flight} requests in flight "
                                 f"(limit {self.args.max_pending_requests}); retry later",
                            type="service_unavailable_error", code="overloaded", headers={"Retry-After": "1"})
@@ -155,8 +208,8 @@ class OpenAIServing:
         """Admit, start the streams, and answer as SSE (after the first output, so early errors keep
         their status code) or as one JSON body."""
         self.admit()
-        if request.user:
-            logger.info("%s: user %r", request_id, request.user)
+        logger.info("request %s: %s%s", current_request_id(), request_id,
+                    f" (user {request.user!r})" if request.user else "")
         timers = [RequestTimer(self.metrics, len(p.token_ids)) for p in prompts]
         outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers))
         try:
@@ -170,9 +223,7 @@ class OpenAIServing:
             await outputs.aclose()
             if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
                 raise
-            error = engine_error(exc)
-            self.metrics.observe_error(error.status)
-            raise error from None
+            raise engine_error(exc) from None
         return StreamingResponse(self._sse_guard(stream_fn(first, outputs), outputs), media_type="text/event-stream")
 
     async def _sse_guard(self, events: AsyncIterator[str], outputs: AsyncIterator) -> AsyncIterator[str]:
@@ -183,7 +234,7 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
             error = engine_error(exc)
             self.metrics.observe_error(error.status)
-            yield sse(ErrorResponse(error=error.info).model_dump())
+            yield sse(error.body())
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
         yield sse("[DONE]")

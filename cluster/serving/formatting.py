@@ -10,10 +10,11 @@ from pagedserve.cluster.serving.responses import (
     ChatLogprobs,
     ChatLogprobToken,
     CompletionLogprobs,
+    PromptLogprob,
     TopLogprob,
     UsageInfo,
 )
-from pagedserve.engine.outputs import CompletionOutput, Logprob
+from pagedserve.engine.outputs import CompletionOutput, Logprob, PromptLogprobs
 
 # JSON has no -inf: clamp logprobs as vLLM does.
 MIN_LOGPROB = -9999.0
@@ -75,6 +76,18 @@ def chat_logprobs(output: CompletionOutput, num: int, tokenizer) -> ChatLogprobs
             top_logprobs=top,
         ))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(positions: PromptLogprobs) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position (None for the first), token id -> its logprob,
+    rank and text (the prompt's own token and the top alternatives)."""
+    return [
+        None if position is None else {
+            str(tid): PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for tid, lp in position.items()
+        }
+        for position in positions
+    ]
 
 
 def usage(prompts: Sequence[_HasTokenIds], completion_tokens: int) -> UsageInfo:

@@ -1,38 +1,79 @@
 """OpenAI-compatible request bodies (completions, chat, tokenize, detokenize).
 
-Request models accept unknown fields (clients send OpenAI fields we do not implement)
-and log a warning naming them, as vLLM does; fields we recognise but cannot honour
-(`suffix`, `tools`, a JSON `response_format`, ...) are rejected with a ValueError naming
-the field, which the server turns into a 400.
+Every numeric field carries the range the engine can honour, so a bad value is a 400 naming the
+field before anything runs; limits that depend on the server (`max_n`, `max_logprobs`, the
+vocabulary) are checked by `OpenAIServing`. Text that is not valid Unicode is refused. Unknown
+fields are accepted, ignored and logged with the request id, as vLLM does; fields we recognise but
+do not implement (`suffix`, `tools`, `use_beam_search`, a JSON `response_format`, ...) are refused
+with a ValueError naming the field, which the server turns into a 400.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import re
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedserve.cluster.serving.context import current_request_id
+from pagedserve.cluster.serving.validation import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_LIST,
+    MAX_TOKENS_LIMIT,
+    MAX_USER_CHARS,
+    SEED_MAX,
+    SEED_MIN,
+    TOKEN_ID_MAX,
+    UNSUPPORTED_FIELDS,
+    check_text_encodable,
+    unsupported_field,
+)
 from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 64
+# A static ceiling on n / best_of / logprobs; the server's own limits (`ServeArgs`) are lower.
+MAX_N = 1024
+MAX_LOGPROBS = 1024
+# Below this a temperature is greedy: dividing logits by it would overflow.
+GREEDY_TEMPERATURE = 1e-5
+
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 
 
 class OpenAIRequest(BaseModel):
-    """Base of every request body: unknown fields are accepted, ignored and logged."""
+    """Base of every request body: valid Unicode only; unknown fields accepted, ignored and logged."""
 
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw_body(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_text_encodable(data)
+            name = unsupported_field(data)
+            if name is not None:
+                raise ValueError(f"{name}: not supported by this server")
+        return data
 
     @model_validator(mode="after")
     def _warn_unknown_fields(self) -> "OpenAIRequest":
-        if self.model_extra:
-            logger.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
+        ignored = self.ignored_fields()
+        if ignored:
+            logger.warning("request %s: %s: ignoring unknown fields %s", current_request_id(),
+                           type(self).__name__, ignored)
         return self
 
     def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+        """Fields we do not know (known-but-unset unsupported ones, like tools=[], are not listed)."""
+        return sorted(k for k in self.model_extra or {} if k not in UNSUPPORTED_FIELDS)
 
 
 class StreamOptions(BaseModel):
@@ -45,43 +86,57 @@ class SamplingRequest(OpenAIRequest):
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    logit_bias: dict[str, Bias] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopString | list[StopString] | None = Field(default=None)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    response_format: dict[str, Any] | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
     ignore_eos: bool = False
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    priority: int = 0
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    bad_words: list[StopString] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_TOKEN_LIST)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+
+    @field_validator("stop")
+    @classmethod
+    def _bound_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            try:
-                int(key)
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if not _TOKEN_KEY.fullmatch(key) or int(key) > TOKEN_ID_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
         return v
 
     @model_validator(mode="after")
-    def _check_stream_options(self) -> "SamplingRequest":
+    def _check_shared(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            kind = str(self.response_format.get("type"))[:64]
+            raise ValueError(f"response_format: type {kind!r} is not supported yet (only 'text')")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not supported with stream=true")
         return self
 
     @property
@@ -99,8 +154,13 @@ class SamplingRequest(OpenAIRequest):
     def requested_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """Engine sampling parameters; raises pydantic's ValidationError (a ValueError) naming the field."""
+    def logprobs_field(self) -> str:
+        """The field that asked for sample logprobs (named in errors)."""
+        raise NotImplementedError
+
+    def to_sampling_params(self, max_tokens: int | None, vocab_size: int | None = None) -> SamplingParams:
+        """Engine sampling parameters; raises pydantic's ValidationError (a ValueError) naming the field.
+        A top_k above the vocabulary is the whole vocabulary."""
         values: dict[str, Any] = dict(
             n=self.n,
             seed=self.seed,
@@ -109,6 +169,7 @@ class SamplingRequest(OpenAIRequest):
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -116,17 +177,28 @@ class SamplingRequest(OpenAIRequest):
             bad_words=self.bad_words,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
+        top_k = self.top_k
+        if top_k is not None and vocab_size is not None and top_k > vocab_size:
+            top_k = vocab_size
+        temperature = self.temperature
+        if temperature is not None and temperature < GREEDY_TEMPERATURE:
+            temperature = 0.0
         optional = dict(
-            temperature=self.temperature,
+            temperature=temperature,
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=top_k,
             min_p=self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            allowed_token_ids=self.allowed_token_ids,
         )
         values.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**values)
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -134,23 +206,24 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, v: Any) -> Any:
         """One clear message instead of pydantic's per-union-member errors."""
-        def is_ids(x: Any) -> bool:
-            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
         if isinstance(v, str):
             return v
-        if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or is_ids(v)
-                                          or all(is_ids(p) for p in v)):
+        if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or _is_ids(v)
+                                          or all(_is_ids(p) for p in v)):
+            ids = v if _is_ids(v) else [t for p in v if isinstance(p, list) for t in p]
+            if any(t < 0 or t > TOKEN_ID_MAX for t in ids):
+                raise ValueError(f"token ids must be in [0, {TOKEN_ID_MAX}]")
             return v
         raise ValueError("expected a string, a list of strings, a list of token ids, or a list of token-id lists "
                          "(all non-empty)")
@@ -158,9 +231,11 @@ class CompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check_unsupported(self) -> "CompletionRequest":
         if self.suffix:
-            raise ValueError("suffix: not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of: only best_of == n is supported")
+            raise ValueError("suffix: not supported by this server")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of: best_of > n is not supported by this server")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo: echo together with logprobs is not supported")
         return self
@@ -179,6 +254,9 @@ class CompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def logprobs_field(self) -> str:
+        return "logprobs"
 
 
 class TextContentPart(BaseModel):
@@ -201,32 +279,35 @@ class ChatMessageParam(BaseModel):
         parts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ValueError(f"messages: content parts of type {part.type!r} are not supported (text only)")
+                kind = str(part.type)[:64]
+                raise ValueError(f"messages: content parts of type {kind!r} are not supported (text only)")
             parts.append(part.text)
         return "".join(parts)
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template places special tokens itself (vLLM's default)
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.tools:
-            raise ValueError("tools: tool calling is not supported")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+            raise ValueError("tools: tool calling is not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: tool calling is not supported by this server")
+        if (self.model_extra or {}).get("echo"):
+            raise ValueError("echo: not supported for chat completions by this server")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true")
         return self
@@ -241,6 +322,9 @@ class ChatCompletionRequest(SamplingRequest):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    def logprobs_field(self) -> str:
+        return "top_logprobs"
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -259,4 +343,4 @@ class TokenizeRequest(OpenAIRequest):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId] = Field(max_length=1 << 20)

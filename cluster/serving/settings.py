@@ -1,4 +1,10 @@
-"""`ServeArgs`: the one validated configuration behind `pagedserve serve` and the Serve app builder."""
+"""`ServeArgs`: the one validated configuration behind `pagedserve serve` and the Serve app builder.
+
+Request limits live here too: `max_n` (n and best_of), `max_logprobs` (logprobs, top_logprobs,
+prompt_logprobs; an engine field, vLLM's default 20), `max_request_body_bytes` (also the longest
+rendered chat prompt, in characters), `tokenizer_pool_size` (threads that tokenize and render chat
+templates off the event loop), `trust_request_chat_template` and `metrics_require_auth`.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from pagedserve.engine.config import EngineConfig
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "assets" / "default-model"
 DEFAULT_MODEL_NAME = "pagedserve-default"
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 
 
 def _api_key_from_env() -> str | None:
@@ -34,6 +41,11 @@ class ServeArgs(EngineConfig):
     max_pending_requests: int = Field(default=1024, ge=1)
     num_cpus_per_engine: float = Field(default=1.0, ge=0.0)
     app_name: str = "pagedserve"
+    max_n: int = Field(default=16, ge=1, le=1024)
+    max_request_body_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1024)
+    tokenizer_pool_size: int = Field(default=2, ge=1, le=64)
+    trust_request_chat_template: bool = False
+    metrics_require_auth: bool = False
 
     @field_validator("model")
     @classmethod

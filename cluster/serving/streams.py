@@ -137,7 +137,7 @@ async def collect(first: tuple[int, RequestOutput], rest: AsyncIterator, n: int)
     """Join a request's DELTA outputs (from `merge_streams`) into whole choices."""
     result = Collected()
     async for i, output in chain(first, rest):
-        if output.prompt_logprobs is not None and i not in result.prompt_logprobs:
+        if output.prompt_logprobs and i not in result.prompt_logprobs:
             result.prompt_logprobs[i] = output.prompt_logprobs
         for c in output.outputs:
             idx = i * n + c.index

@@ -1,4 +1,4 @@
-"""`POST /tokenize` and `POST /detokenize` (vLLM's extensions)."""
+"""`POST /tokenize` and `POST /detokenize` (vLLM's extensions); the work runs in the thread pool."""
 
 from __future__ import annotations
 
@@ -8,23 +8,24 @@ from pagedserve.cluster.serving.requests import DetokenizeRequest, TokenizeReque
 from pagedserve.cluster.serving.responses import DetokenizeResponse, TokenizeResponse
 
 
-def tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:
     serving.check_model(request.model)
     if request.prompt is not None:
-        ids = list(serving.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
+        prompt, add_special = request.prompt, request.add_special_tokens
+        ids = await serving.run_blocking(lambda: list(serving.tokenizer(prompt, add_special_tokens=add_special).input_ids))
     else:
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in request.messages or []]
         except ValueError as exc:
             raise bad_request(exc) from None
-        ids = serving.encode_chat(conversation, None, request.add_generation_prompt)
+        ids = await serving.encode_chat(conversation, None, request.add_generation_prompt)
     return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids)
 
 
-def detokenize(serving: OpenAIServing, request: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(serving: OpenAIServing, request: DetokenizeRequest) -> DetokenizeResponse:
     serving.check_model(request.model)
     vocab = len(serving.tokenizer)
-    bad = [t for t in request.tokens if t < 0 or t >= vocab]
+    bad = [t for t in request.tokens if t >= vocab]
     if bad:
         raise APIError(400, f"tokens: token id {bad[0]} is out of vocabulary (size {vocab})", param="tokens")
-    return DetokenizeResponse(prompt=serving.tokenizer.decode(request.tokens))
+    return DetokenizeResponse(prompt=await serving.run_blocking(serving.tokenizer.decode, request.tokens))
