@@ -215,8 +215,8 @@ def as_api_server_stores(manifest: dict) -> dict:
     if manifest.get("apiVersion") != "ray.io/v1" or kind not in ("RayCluster", "RayService"):
         raise ManifestError(f"apiVersion/kind {manifest.get('apiVersion')}/{kind}: expected ray.io/v1 RayCluster|RayService")
     name = (manifest.get("metadata") or {}).get("name", "")
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,46}[a-z0-9])?", name):
-        raise ManifestError(f"metadata.name {name!r}: a DNS-1123 label of at most 48 characters (KubeRay appends suffixes)")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
+        raise ManifestError(f"metadata.name {name!r}: must be a DNS-1123 label (KubeRay names Services and labels after it)")
     schema = kuberay_schema(kind)
     stored = fill_defaults(drop_nulls(manifest), schema)
     error = jsonschema.exceptions.best_match(jsonschema.Draft4Validator(schema).iter_errors(stored))

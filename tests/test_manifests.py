@@ -296,15 +296,73 @@ def test_serve_config_broken_copies_fail(tiny_llama):
 def test_engine_demand_matches_what_the_engine_actor_reserves(serve_app, tiny_llama, tp, device, gpus):
     """The mirror in manifest_resources agrees with the engine actor's own Ray options."""
     engine_actor = pytest.importorskip("pagedserve.cluster.engine_actor")
-    if not hasattr(engine_actor, "engine_actor_options"):
-        pytest.skip("engine_actor_options is not available in this version")
+    placement = pytest.importorskip("pagedserve.cluster.placement")
+    from pagedserve.cluster.worker_group import WorkerGroupOptions
+
+    if not (hasattr(engine_actor, "engine_actor_options") and hasattr(WorkerGroupOptions, "bundle")):
+        pytest.skip("the engine actor's placement helpers are not available in this version")
     args = serve_app.ServeArgs(model=str(tiny_llama), tensor_parallel_size=tp, device=device, num_cpus_per_engine=3)
     options, _ = engine_actor.engine_actor_options(args.engine_kwargs(), 3, {"CPU": 64, "GPU": gpus})
     demand = engine_demand(args, cluster_has_gpu=gpus > 0)
     assert demand.actor == {"CPU": options["num_cpus"], "GPU": options.get("num_gpus", 0)}
-    assert [b["GPU"] for b in demand.bundles] == ([1.0] * tp if tp > 1 and gpus else [0.0] * tp if tp > 1 else [])
+    if tp > 1:  # the worker group's bundles, as WorkerGroup builds them
+        bundle = WorkerGroupOptions(num_cpus_per_worker=args.num_cpus_per_worker,
+                                    use_gpu=placement.uses_gpu(device, {"GPU": gpus})).bundle()
+        assert demand.bundles == [{"CPU": bundle["CPU"], "GPU": bundle.get("GPU", 0.0)}] * tp
+    else:
+        assert demand.bundles == []
 
 
 def test_expected_images_name_the_project_versions():
     v = project_versions()
     assert expected_image("cpu") == f"pagedserve:{v['pagedserve']}-ray{v['ray']}-py311-cpu"
+
+
+def test_ray_up_broken_copies_fail():
+    config = manifest("ray-cluster-aws.yaml")
+    config["file_mounts"]["/home/ray/models/pagedserve-default"] = "./assets/no-such-model"
+    with pytest.raises(ManifestError, match="no-such-model"):
+        check_ray_up_files(config)
+    config = manifest("ray-cluster-aws.yaml")
+    config["head_start_ray_commands"] = [c for c in config["head_start_ray_commands"] if "serve deploy" not in c]
+    with pytest.raises(ManifestError, match="serve deploy"):
+        serve_deploy_paths(config)
+    config = manifest("ray-cluster-local.yaml")
+    config["setup_commands"] = [c.replace("torch==", "torch>=") for c in config["setup_commands"]]
+    with pytest.raises(ManifestError, match="pin torch"):
+        check_ray_up_versions(ray_up_view(config))
+
+
+def test_dockerfile_without_the_model_at_its_fixed_path_fails():
+    text = (ROOT / "Dockerfile").read_text()
+    with pytest.raises(ManifestError, match="bundled model"):
+        check_dockerfile(text.replace(f"assets/default-model {IMAGE_MODEL_DIR}", "assets/default-model /models"))
+
+
+def test_kuberay_invalid_name_fails():
+    obj = manifest("kuberay/rayservice-cpu.yaml")
+    obj["metadata"]["name"] = "PagedServe_CPU"
+    with pytest.raises(ManifestError, match="DNS-1123"):
+        as_api_server_stores(obj)
+
+
+def test_schema_extraction_script_round_trip(tmp_path):
+    """The script that made tests/schemas/kuberay/ picks the v1 schema and gzips large output."""
+    import gzip
+    import json
+
+    from tests.schemas.extract_kuberay_schema import GZIP_OVER_BYTES, main
+
+    big = {"type": "object", "properties": {f"f{i}": {"type": "string", "default": "x" * 64} for i in range(5000)}}
+    crd = {"kind": "CustomResourceDefinition", "spec": {"names": {"kind": "RayJob"}, "versions": [
+        {"name": "v1alpha1", "schema": {"openAPIV3Schema": {"type": "string"}}},
+        {"name": "v1", "schema": {"openAPIV3Schema": {"type": "object", "properties": {"spec": {"type": "object"}}}}},
+    ]}}
+    (tmp_path / "small.yaml").write_text(yaml.safe_dump(crd))
+    crd["spec"]["names"]["kind"] = "Big"
+    crd["spec"]["versions"][1]["schema"]["openAPIV3Schema"] = big
+    (tmp_path / "big.yaml").write_text(yaml.safe_dump(crd))
+    main([str(tmp_path / "small.yaml"), str(tmp_path / "big.yaml"), "--out-dir", str(tmp_path / "out")])
+    assert json.loads((tmp_path / "out" / "rayjob.v1.json").read_text())["properties"] == {"spec": {"type": "object"}}
+    packed = (tmp_path / "out" / "big.v1.json.gz").read_bytes()
+    assert len(gzip.decompress(packed)) > GZIP_OVER_BYTES and json.loads(gzip.decompress(packed)) == big
