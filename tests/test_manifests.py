@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.manifest_checks import (
-    IMAGE_MODEL_DIR, MANIFESTS, ROOT, ManifestError, as_api_server_stores, build_serve_app, check_dockerfile,
+    IMAGE_MODEL_DIR, MANIFESTS, ROOT, ManifestError, app_args, as_api_server_stores, build_serve_app, check_dockerfile,
     check_kuberay_versions, check_ray_up_files, check_ray_up_versions, cluster_spec, expected_image, load_yaml,
     project_versions, ray_up_view, serve_configs_of, serve_deploy_paths, validate_serve_config,
 )
@@ -51,8 +51,6 @@ def serve_config_for_kuberay(name: str, obj: dict) -> dict:
 
 def check_app_fits(serve_config: dict, nodes, serve_app, model: Path, where: str) -> None:
     """Every application's demand (from its args, through ServeArgs) fits `nodes`."""
-    from tests.manifest_checks import app_args
-
     has_gpu = any(n.free.get("GPU", 0) > 0 for n in nodes)
     for app in serve_config["applications"]:
         args = serve_app.ServeArgs.model_validate(app_args(app, model))
