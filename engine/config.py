@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.engine.device_limits import check_block_size
+from pagedserve.engine.sampling_params import SEED_MAX, SEED_MIN
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = "auto"
-    seed: int = 0
+    seed: int = Field(default=0, ge=SEED_MIN, le=SEED_MAX)  # seeds torch and the sampler's shared generator
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
     block_size: int = Field(default=16, ge=1, le=1024)

@@ -40,7 +40,13 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        Bad input raises ValueError (naming the field) before anything runs. A request that fails
+        while running (e.g. in its logits processing, or with its batch's forward pass) does not
+        raise: its output has finish_reason "error" and `RequestOutput.error` says why, and the
+        other prompts' outputs are unaffected.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -7,7 +7,7 @@ subclass `ValueError`, and always name the offending field.
 Ranges (the HTTP API mirrors them): n and best_of in [1, 128] (best_of == n only);
 seed in [-2**63, 2**64 - 1] (what torch.Generator takes; children of n > 1 use
 `derive_seed`); top_k -1 or 0 (disabled) or >= 1 (the sampler clamps it to the
-vocabulary); max_tokens >= 1; at most 64 stop strings; at most 1024 entries in each of
+vocabulary); max_tokens >= 1; at most 64 stop strings of at most 1024 characters; at most 1024 entries in each of
 logit_bias, stop_token_ids, bad_words, allowed_token_ids; logit_bias values clamped to
 [-100, 100]. Limits that need the model (token ids in [0, vocab), logprobs <=
 max_logprobs, lengths vs max_model_len) are checked by the processor.
@@ -29,8 +29,9 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 # Completions per request (n, best_of): OpenAI's limit.
 MAX_N = 128
-# Stop strings per request: each one is searched in the new text of every step.
+# Stop strings per request, and characters per stop string: each is searched in every step's new text.
 MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 # Entries in logit_bias, stop_token_ids, bad_words and allowed_token_ids: bounds per-step work.
 MAX_TOKEN_LIST = 1024
 
@@ -103,6 +104,8 @@ class SamplingParams(BaseModel):
     def _check_stop(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop must not contain an empty string")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in v):
+            raise ValueError(f"stop strings must have at most {MAX_STOP_STRING_CHARS} characters")
         return v
 
     @field_validator("stop_token_ids", "bad_words", mode="before")

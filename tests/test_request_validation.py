@@ -47,6 +47,7 @@ def _process(params: SamplingParams, prompt=None, priority: int = 0, processor: 
         ({"best_of": 0}, "best_of"),
         ({"n": 2, "best_of": 3}, "best_of"),
         ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+        ({"stop": ["x" * 1025]}, "stop"),
         ({"stop_token_ids": list(range(MAX_TOKEN_LIST + 1))}, "stop_token_ids"),
         ({"logit_bias": {i: 1.0 for i in range(MAX_TOKEN_LIST + 1)}}, "logit_bias"),
         ({"bad_words": ["x"] * (MAX_TOKEN_LIST + 1)}, "bad_words"),
@@ -64,6 +65,13 @@ def test_sampling_params_ranges(kwargs, field):
 def test_extreme_accepted_values():
     SamplingParams(seed=2**64 - 1, n=MAX_N, best_of=MAX_N, top_k=2**40)
     SamplingParams(seed=-(2**63), stop=["x"] * MAX_STOP_STRINGS)
+
+
+def test_engine_seed_is_a_generator_seed(tiny_llama):
+    from pagedserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="seed"):
+        EngineConfig(model=str(tiny_llama), seed=2**64)
 
 
 def test_seed_range_is_what_torch_generators_take():
