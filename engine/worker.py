@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.device_limits import should_warm_up
+from pagedserve.engine.device_limits import check_block_size, should_warm_up
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.parallel.state import ParallelContext, destroy_distributed, init_distributed
@@ -33,6 +33,8 @@ class Worker:
 
     def init_device(self) -> None:
         device_type = self.config.resolved_device
+        # Again here: the config may have been resolved on a machine without this rank's device.
+        check_block_size(self.config.block_size, device_type)
         if device_type == "cuda":
             torch.cuda.set_device(self.local_device_index)
             self.device = torch.device("cuda", self.local_device_index)

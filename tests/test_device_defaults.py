@@ -39,6 +39,14 @@ def test_resolve_checks_block_size_for_the_named_device(tiny_llama):
     assert EngineConfig(model=str(tiny_llama), device="cpu", block_size=8).resolve().block_size == 8
 
 
+def test_worker_checks_block_size_for_its_own_device(tiny_llama):
+    # Resolved where the device is unknown (a CPU driver), the worker still refuses it for CUDA.
+    config = EngineConfig(model=str(tiny_llama), device="cpu", block_size=8).resolve()
+    worker = Worker(config.model_copy(update={"device": "cuda"}))
+    with pytest.raises(ValueError, match=r"block_size: 8 .*cuda"):
+        worker.init_device()
+
+
 def test_auto_dtype_runs_fp32_checkpoints_in_half_precision_on_cuda():
     assert auto_dtype(torch.float32, "cuda", bf16_supported=True) == torch.bfloat16
     assert auto_dtype(torch.float32, "cuda", bf16_supported=False) == torch.float16
