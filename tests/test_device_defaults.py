@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 from pagedserve.engine.config import EngineConfig, context_limit
 from pagedserve.engine.device_limits import BLOCK_SIZE_RANGE, auto_dtype, check_block_size, should_warm_up
 from pagedserve.engine.model_loader import resolve_dtype
