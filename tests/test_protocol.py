@@ -308,6 +308,7 @@ def test_serve_config_yaml_is_valid(tiny_llama):
     assert app.import_path == "pagedserve.cluster.serve_app:build_app" and app.route_prefix == "/"
     args = ServeArgs.model_validate({**app.args, "model": str(tiny_llama)})  # the builder's validation
     assert args.model_name == "pagedserve-default"
+    assert (args.max_n, args.max_logprobs, args.trust_request_chat_template) == (16, 20, False)
     assert build_app({**app.args, "model": str(tiny_llama)}) is not None
     with pytest.raises(ValidationError):
         build_app({**app.args, "model": str(tiny_llama), "block_size": 12})
