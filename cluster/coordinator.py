@@ -3,7 +3,7 @@
 Routing (`choose_engine`): power of two choices by load, with prefix affinity. Load is the number
 of requests this coordinator has in flight on an engine plus the engine's latest waiting + running
 counts plus `kv_weight * kv_cache_usage`. Affinity keys are the chained block hashes
-(`engine.block_pool.hash_block_tokens`) of the prompt's first `affinity_blocks` full blocks, kept in
+(`engine.core.block_pool.hash_block_tokens`) of the prompt's first `affinity_blocks` full blocks, kept in
 a bounded LRU map hash -> engine; the longest known prefix wins, and is used unless that engine's
 load exceeds `imbalance_factor * (the two-choice winner's load) + 1`.
 
@@ -18,7 +18,7 @@ RPC (`AbortBatcher`).
 Stats for /health and /metrics come from what the background poller last saw, without an RPC:
 `latest_stats()`, `aggregate_stats()` and `is_healthy()` never await.
 
-Additions to the agreed API (all optional keywords): `DPCoordinator(..., kv_weight=4.0,
+Tuning (all optional keywords): `DPCoordinator(..., kv_weight=4.0,
 stats_timeout_s=5.0, max_affinity_entries=65536)`. `start()` may be called outside a running event
 loop; polling then begins with the first `generate` call. Cumulative counters in
 `aggregate_stats()` stay monotonic across actor restarts (a restarted engine's counters, told apart
@@ -42,7 +42,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from pagedserve.cluster.abort_batcher import AbortBatcher
 from pagedserve.cluster.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
-from pagedserve.engine.block_pool import BlockHash, hash_block_tokens
+from pagedserve.engine.core.block_pool import BlockHash, hash_block_tokens
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)

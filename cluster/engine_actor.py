@@ -9,7 +9,7 @@ flight when an actor dies fail (the coordinator turns that into `EngineDeadError
 only) instead of being replayed silently. If the engine loop inside a live actor dies, a watchdog
 thread exits the process so that Ray restarts it.
 
-Additions to the agreed API (all optional keywords):
+Options and helpers beyond the basic actor (all optional keywords):
 - `EngineActor.__init__(..., stall_timeout_s=120.0)` and `start_engine_actors(..., max_pending_requests=1024,
   stall_timeout_s=120.0, max_concurrency=None)`.
 - `wait_engines_ready(engines, timeout_s=None) -> list[dict]`: block until every actor's `ready()` answers.

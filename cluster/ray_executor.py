@@ -16,8 +16,8 @@ from pagedserve.cluster.placement import uses_gpu
 from pagedserve.cluster.ray_utils import ensure_ray
 from pagedserve.cluster.worker_group import WorkerGroup, WorkerGroupOptions
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.executor.base import Executor
-from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.worker.executor.base import Executor
+from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 def _use_gpu(config: EngineConfig) -> bool:

@@ -100,7 +100,7 @@ class WorkerActor:
         return tcp_init_method(node_ip(), free_port())
 
     def init_worker(self, distributed_init_method: str) -> None:
-        from pagedserve.engine.worker import Worker
+        from pagedserve.engine.worker.worker import Worker
 
         self.worker = Worker(self.config, rank=self.rank, distributed_init_method=distributed_init_method)
         self.worker.init_device()

@@ -6,11 +6,11 @@ import logging
 import time
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from pagedserve.engine.outputs import RequestOutput, SchedulerStats
 from pagedserve.engine.processor import Processor, PromptType, load_tokenizer
-from pagedserve.engine.request import RequestStatus
+from pagedserve.engine.core.request import RequestStatus
 from pagedserve.engine.sampling_params import SamplingParams, derive_seed
 
 logger = logging.getLogger(__name__)

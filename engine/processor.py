@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.request import Request
+from pagedserve.engine.core.request import Request
 from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids, check_token_ids
 
 # A prompt: text, or a dict with "prompt_token_ids" (or "prompt").

@@ -1,4 +1,4 @@
-"""The KV connector API (DESIGN.md, "Disaggregated prefill / decode").
+"""The KV connector API (docs/architecture.md, "Disaggregated prefill / decode").
 
 A connector has two halves. The scheduler half runs in the engine core and decides
 how many of a request's prompt tokens can be loaded from elsewhere instead of being

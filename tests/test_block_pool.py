@@ -1,10 +1,10 @@
-"""Unit tests for engine/block_pool.py: free queue, ref counts, hashing, eviction."""
+"""Unit tests for engine/core/block_pool.py: free queue, ref counts, hashing, eviction."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+from pagedserve.engine.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
 
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:

@@ -1,4 +1,4 @@
-"""Unit tests for engine/kv_cache_manager.py: prefix hits, allocation, freeing, stats, invariants."""
+"""Unit tests for engine/core/kv_cache_manager.py: prefix hits, allocation, freeing, stats, invariants."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-import pagedserve.engine.kv_cache_manager as kvm
-from pagedserve.engine.block_pool import BlockHash, hash_block_tokens
-from pagedserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+import pagedserve.engine.core.kv_cache_manager as kvm
+from pagedserve.engine.core.block_pool import BlockHash, hash_block_tokens
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 
 BS = 4
 

@@ -19,8 +19,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pagedserve.engine.attention_metadata import AttentionMetadata
-from pagedserve.engine.model_loader import load_model, resolve_dtype
+from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.models.loader import load_model, resolve_dtype
 from pagedserve.engine.models import get_model_class
 from pagedserve.parallel.state import ParallelContext
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from pagedserve.engine.model_loader import load_model
+from pagedserve.engine.models.loader import load_model
 from pagedserve.parallel.communication import pp_recv_tensors, pp_send_tensors, tp_all_gather, tp_all_reduce
 from pagedserve.parallel.layers import (
     ColumnParallelLinear,

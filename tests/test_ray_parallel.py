@@ -22,7 +22,7 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from pagedserve.cluster.worker_group import WorkerGroupError  # noqa: E402
 from pagedserve.engine import LLM  # noqa: E402
-from pagedserve.engine.model_loader import load_model  # noqa: E402
+from pagedserve.engine.models.loader import load_model  # noqa: E402
 from pagedserve.parallel.pipeline import layer_range  # noqa: E402
 from pagedserve.parallel.state import ParallelContext  # noqa: E402
 from tests.test_engine_parity import _hf_model, check_parity, random_prompts  # noqa: E402

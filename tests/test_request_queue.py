@@ -1,4 +1,4 @@
-"""Unit tests for engine/request_queue.py: serving order per policy, lazy removal, rebuilds, victims."""
+"""Unit tests for engine/core/request_queue.py: serving order per policy, lazy removal, rebuilds, victims."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from pagedserve.engine.request import Request
-from pagedserve.engine.request_queue import (
+from pagedserve.engine.core.request import Request
+from pagedserve.engine.core.request_queue import (
     FCFSRequestQueue,
     PriorityRequestQueue,
     RequestQueue,

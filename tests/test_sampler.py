@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from pagedserve.engine.sampler import (
+from pagedserve.engine.sample.sampler import (
     Sampler,
     SamplingState,
     compute_prompt_logprobs,
@@ -110,7 +110,7 @@ def test_repetition_penalty_matches_hf_processor():
     prompt, output = [1, 2, 7, 7], [9, 2, 30]
     expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits.clone())
     st = state(prompt=prompt, output=output, temperature=0, repetition_penalty=1.3, logprobs=0)
-    from pagedserve.engine.sampler import _apply_logits_processors
+    from pagedserve.engine.sample.sampler import _apply_logits_processors
 
     got = _apply_logits_processors(logits, [st], errors={})
     torch.testing.assert_close(got, expected)
@@ -283,7 +283,7 @@ def test_shape_mismatch_raises():
 
 
 def test_seeded_generator_is_made_on_the_logits_device(monkeypatch):
-    import pagedserve.engine.sampler as sampler_mod
+    import pagedserve.engine.sample.sampler as sampler_mod
 
     made_on = []
     real = sampler_mod.make_generator

@@ -1,4 +1,4 @@
-"""Unit tests for engine/scheduler.py, driven step by step with a fake model runner.
+"""Unit tests for engine/core/scheduler.py, driven step by step with a fake model runner.
 
 The fake runner plays the worker side of the diff protocol exactly as the real model
 runner does (NewRequestData creates its state, CachedRequestData extends it, a resumed
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import pytest
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 BS = 4
 EOS = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.test_scheduler import EOS, Harness, prompt
 

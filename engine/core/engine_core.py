@@ -16,13 +16,13 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.executor.base import Executor
-from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.worker.executor.base import Executor
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.sampler import describe_failure
-from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.core.request import Request, RequestStatus
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.sample.sampler import describe_failure
+from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from pagedserve.engine.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 
 
 class KVRequest(Protocol):

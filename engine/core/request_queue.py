@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from pagedserve.engine.request import Request
+from pagedserve.engine.core.request import Request
 
 # Dead entries tolerated before a rebuild is considered (keeps small queues from rebuilding often).
 _MIN_DEAD_FOR_REBUILD = 64

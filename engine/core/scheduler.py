@@ -16,11 +16,11 @@ import time
 from collections.abc import Iterable
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.request_queue import RequestQueue, create_request_queue
-from pagedserve.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.engine.core.request import Request, RequestStatus
+from pagedserve.engine.core.request_queue import RequestQueue, create_request_queue
+from pagedserve.engine.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedserve.kv_transfer.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagedserve.engine.device_limits import auto_dtype
+from pagedserve.engine.worker.device_limits import auto_dtype
 from pagedserve.engine.models.registry import get_model_class
 from pagedserve.parallel.state import ParallelContext
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.engine.attention_metadata import AttentionMetadata
+from pagedserve.engine.worker.attention_metadata import AttentionMetadata
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.model_loader import load_model, resolve_dtype
-from pagedserve.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs, describe_failure
-from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.models.loader import load_model, resolve_dtype
+from pagedserve.engine.sample.sampler import Sampler, SamplingState, compute_prompt_logprobs, describe_failure
+from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.cpu import empty_hugepage_tensor, load_cpu_ops
 from pagedserve.parallel.communication import pp_recv_tensors, pp_send_tensors
 from pagedserve.parallel.pipeline import IntermediateTensors
@@ -101,7 +101,7 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Compile every kernel variant now, not in a served step (engine.warmup)."""
-        from pagedserve.engine.warmup import warm_up_kernels
+        from pagedserve.engine.worker.warmup import warm_up_kernels
 
         warm_up_kernels(self)
 

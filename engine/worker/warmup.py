@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedserve.engine.attention_metadata import AttentionMetadata
-from pagedserve.engine.sampler import Sampler, SamplingState
+from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.sample.sampler import Sampler, SamplingState
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.parallel.pipeline import IntermediateTensors
 
 if TYPE_CHECKING:
-    from pagedserve.engine.model_runner import ModelRunner
+    from pagedserve.engine.worker.model_runner import ModelRunner
 
 # Tokens per split-K partition of the decode launcher (kernels.triton.decode_attention).
 DECODE_PARTITION_SIZE = 512

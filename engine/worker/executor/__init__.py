@@ -1,3 +1,3 @@
-from pagedserve.engine.executor.base import Executor
+from pagedserve.engine.worker.executor.base import Executor
 
 __all__ = ["Executor"]

@@ -8,11 +8,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # backend name -> "module:Class"; the one place that knows where executors live.
 _EXECUTOR_BACKENDS = {
-    "uni": "pagedserve.engine.executor.uniproc:UniProcExecutor",
+    "uni": "pagedserve.engine.worker.executor.uniproc:UniProcExecutor",
     "ray": "pagedserve.cluster.ray_executor:RayExecutor",
 }
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.executor.base import Executor
-from pagedserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.engine.worker import Worker
+from pagedserve.engine.worker.executor.base import Executor
+from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):

@@ -1,0 +1,1 @@
+"""Sampling: turns a batch's logits into tokens and logprobs (penalties, logits processors, top-k/p/min-p)."""
