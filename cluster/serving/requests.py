@@ -67,8 +67,11 @@ class OpenAIRequest(BaseModel):
     def _warn_unknown_fields(self) -> "OpenAIRequest":
         ignored = self.ignored_fields()
         if ignored:
+            names = [name[:64] for name in ignored[:16]]  # bounded: the names come from the client
+            if len(ignored) > 16:
+                names.append(f"... {len(ignored) - 16} more")
             logger.warning("request %s: %s: ignoring unknown fields %s", current_request_id(),
-                           type(self).__name__, ignored)
+                           type(self).__name__, names)
         return self
 
     def ignored_fields(self) -> list[str]:
