@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP API, one module per job.
 
-`settings` (ServeArgs), `requests` / `responses` (the wire models), `errors` (APIError and the
-OpenAI error body), `formatting` (logprobs, usage, SSE framing), `streams` (merging and
-collecting engine output streams), `core` (OpenAIServing: the state and checks every endpoint
-shares), one module per endpoint family (`completions`, `chat`, `tokenization`, `system`), and
-`app` (the FastAPI app that wires them to routes). Ray Serve lives in `cluster.serve_app`.
+`settings` (ServeArgs), `requests` / `responses` (the wire models), `validation` (what every body
+is checked for before parsing: encodable text, known-but-unimplemented fields, integer bounds),
+`errors` (APIError, the OpenAI error body and the app's handlers), `context` (the request id),
+`middleware` (request ids, API key, body size limit, the last-resort 500), `formatting`
+(logprobs, usage, SSE framing), `streams` (merging and collecting engine output streams), `core`
+(OpenAIServing: the state and checks every endpoint shares), one module per endpoint family
+(`completions`, `chat`, `tokenization`, `system`), and `app` (the FastAPI app that wires them to
+routes). Ray Serve lives in `cluster.serve_app`.
 """
