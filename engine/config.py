@@ -162,12 +162,24 @@ class EngineConfig(BaseModel):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolve(self) -> "EngineConfig":
-        """Load the HF config and fill in the derived limits (max_model_len, token budget)."""
+        """Load the HF config (from config.json, or a GGUF file's metadata) and fill in the derived
+        limits (max_model_len, token budget)."""
         from transformers import AutoConfig
 
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model: {self.model!r} is not a local directory (pagedserve loads HF-format folders)")
-        hf_config = AutoConfig.from_pretrained(self.model)
+        from pagedserve.engine.models.gguf_config import gguf_hf_config
+        from pagedserve.engine.models.gguf_loader import find_gguf_file
+
+        if not os.path.exists(self.model):
+            raise ValueError(f"model: {self.model!r} does not exist (pagedserve loads a local HF-format folder "
+                             "or a GGUF file)")
+        gguf_file = find_gguf_file(self.model)
+        if gguf_file is not None:
+            hf_config = gguf_hf_config(gguf_file)
+        elif not os.path.isdir(self.model):
+            raise ValueError(f"model: {self.model!r} is neither a directory nor a .gguf file (pagedserve loads a "
+                             "local HF-format folder or a GGUF file)")
+        else:
+            hf_config = AutoConfig.from_pretrained(self.model)
         check_block_size(self.block_size, self.resolved_device)
         max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
         max_model_len = self.max_model_len or max_pos

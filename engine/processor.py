@@ -26,8 +26,18 @@ PRIORITY_MAX = 2**63 - 1
 
 
 def load_tokenizer(path: str):
+    """The tokenizer (and chat template) of an HF-format folder, or the one a GGUF file carries
+    (a .gguf path, or a directory holding one and no tokenizer files of its own)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    from pagedserve.engine.models.gguf_loader import find_gguf_file, load_gguf_tokenizer
+
+    has_own_files = any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    gguf_file = None if has_own_files else find_gguf_file(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -95,6 +105,10 @@ class Processor:
         if params.prompt_logprobs is not None and params.prompt_logprobs > limit:
             raise ValueError(f"prompt_logprobs: at most {limit} are allowed, got {params.prompt_logprobs}")
         params.verify_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            from pagedserve.engine.structured_output.grammar import check_spec  # xgrammar loads lazily
+
+            check_spec(params.structured_outputs)
 
     def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """Output tokens the request may generate: max_tokens if set by the caller (refused when the

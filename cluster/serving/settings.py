@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.models.default_model import DEFAULT_MODEL_NAME, is_default_model, resolve_default_model
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "assets" / "default-model"
-DEFAULT_MODEL_NAME = "pagedserve-default"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 
 
@@ -51,14 +49,10 @@ class ServeArgs(EngineConfig):
     @classmethod
     def _resolve_model(cls, v: str | None) -> str:
         if v is None:
-            if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-                raise ValueError(
-                    f"no MODEL given and the bundled default model is missing at {DEFAULT_MODEL_DIR}; "
-                    "pass a model directory (an HF-format folder with config.json and safetensors)"
-                )
-            return str(DEFAULT_MODEL_DIR)
-        if not os.path.isdir(v):
-            raise ValueError(f"{v!r} is not a local directory (pagedserve loads HF-format folders)")
+            return resolve_default_model()
+        if not (os.path.isdir(v) or (os.path.isfile(v) and v.lower().endswith(".gguf"))):
+            raise ValueError(f"{v!r} is neither a local directory nor a .gguf file (pagedserve loads HF-format "
+                             "folders and GGUF files)")
         return v
 
     @property
@@ -66,7 +60,7 @@ class ServeArgs(EngineConfig):
         """The name clients put in `model` (served_model_name, else the model argument as given)."""
         if self.served_model_name:
             return self.served_model_name
-        if Path(self.model) == DEFAULT_MODEL_DIR:  # type: ignore[arg-type]
+        if is_default_model(self.model):  # type: ignore[arg-type]
             return DEFAULT_MODEL_NAME
         return self.model  # type: ignore[return-value]
 

@@ -1,4 +1,5 @@
-"""Build a model and fill it from a safetensors checkpoint, reading only this rank's shards."""
+"""Build a model and fill it from a checkpoint, reading only this rank's shards: a safetensors
+directory, or a GGUF file (gguf_loader.py) dequantized tensor by tensor."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.engine.worker.device_limits import auto_dtype
+from pagedserve.engine.models.gguf_loader import find_gguf_file, load_gguf_weights
 from pagedserve.engine.models.registry import get_model_class
 from pagedserve.parallel.state import ParallelContext
 
@@ -76,17 +78,21 @@ def load_model(
 ) -> torch.nn.Module:
     """Build the model for ``hf_config`` on ``device`` and load its weights (eval mode, no grad).
 
+    ``model_path`` is a safetensors directory or a GGUF file (or a directory holding one).
     Weights of other pipeline stages are never read; sharded layers read only this
-    rank's slice through safetensors' lazy ``get_slice``. Raises ValueError for
+    rank's slice through safetensors' lazy ``get_slice`` (GGUF: of the dequantized tensor). Raises ValueError for
     weights the model does not know and for parameters the checkpoint lacks. `max_position`
     (max_model_len) sizes the RoPE cache when it exceeds max_position_embeddings (RoPE scaling).
     """
     model_cls = get_model_class(hf_config)
-    files = checkpoint_files(model_path)
+    gguf_file = find_gguf_file(model_path)
+    files = [] if gguf_file is not None else checkpoint_files(model_path)
     with torch.device(device), torch.no_grad():
         model = model_cls(hf_config, dtype=dtype, parallel=parallel, max_position=max_position)
     loaded: set[str] = set()
     with torch.no_grad():
+        if gguf_file is not None:
+            loaded = load_gguf_weights(model, gguf_file, hf_config, dtype, progress=parallel.rank == 0)
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 names = [n for n in f.keys() if model.weight_on_stage(n)]
