@@ -20,7 +20,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config if config.hf_config is not None else config.resolve()
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
-        self.engine_core = EngineCore(self.config)
+        self.engine_core = EngineCore(self.config, self.tokenizer)
         self.processor = Processor(self.config, self.tokenizer, self.engine_core.kv_cache_capacity_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         # parent request id -> its child engine request ids (n > 1)

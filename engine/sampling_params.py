@@ -10,7 +10,8 @@ seed in [-2**63, 2**64 - 1] (what torch.Generator takes; children of n > 1 use
 vocabulary); max_tokens >= 1; at most 64 stop strings of at most 1024 characters; at most 1024 entries in each of
 logit_bias, stop_token_ids, bad_words, allowed_token_ids; logit_bias values clamped to
 [-100, 100]. Limits that need the model (token ids in [0, vocab), logprobs <=
-max_logprobs, lengths vs max_model_len) are checked by the processor.
+max_logprobs, lengths vs max_model_len) are checked by the processor, and so is whether a
+structured_outputs schema, regex or grammar parses.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import enum
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagedserve.engine.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (argmax) sampling, as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -82,6 +85,8 @@ class SamplingParams(BaseModel):
     # Only these tokens may be sampled (vLLM's allowed_token_ids); None = the whole vocabulary.
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_TOKEN_LIST)
     detokenize: bool = True
+    # Constrain the output to a JSON schema, any JSON, a regex, a choice or an EBNF grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("top_k")
     @classmethod

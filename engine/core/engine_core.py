@@ -6,6 +6,10 @@ finish_reason "error" and its blocks freed while the rest of the batch goes on; 
 the forward pass itself raises, every request of that batch is finished that way
 (their blocks leave the prefix cache: their contents may be incomplete) and the engine
 keeps serving.
+
+Structured output: a request with `structured_outputs` waits (WAITING_FOR_GRAMMAR) while its
+grammar compiles in the manager's thread pool; a compile that fails or times out finishes that
+request alone with finish_reason "error". The manager is made on the first such request.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
+from typing import Any
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.executor.base import Executor
@@ -28,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
         self.config = config
+        self.tokenizer = tokenizer
+        self._structured_output = None
         self.executor = Executor.get_class(config)(config)
         try:
             num_blocks = self.executor.determine_num_kv_blocks()
@@ -49,10 +56,21 @@ class EngineCore:
             num_blocks, config.block_size, capacity, config.max_model_len, capacity / config.max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, structured_output=self.structured_output)
         # Pipeline parallelism: up to `max_concurrent_batches` batches in flight, oldest first.
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+
+    def structured_output(self):
+        """The structured-output manager (xgrammar is imported and set up on first use)."""
+        if self._structured_output is None:
+            from pagedserve.engine.processor import load_tokenizer
+            from pagedserve.engine.structured_output.manager import StructuredOutputManager
+
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+            self._structured_output = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size)
+        return self._structured_output
 
     @property
     def kv_cache_capacity_tokens(self) -> int:
@@ -69,17 +87,28 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule one batch, run it, and turn the sampled tokens into per-request outputs."""
+        if self.executor.is_failed:
+            # The batches that were running when it failed have finished with an error; nothing new can run.
+            raise RuntimeError("the engine's executor is down after an earlier failure; start a new engine")
         if self.max_concurrent_batches > 1:
             return self._step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        failed_grammars = self._fail_grammars()
         # Run even an empty step: it carries the finished request ids the workers must forget.
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception as exc:
-            return self._fail_batch(scheduler_output, exc)
-        return self._update_from_output(scheduler_output, runner_output)
+            return failed_grammars + self._fail_batch(scheduler_output, exc)
+        return failed_grammars + self._update_from_output(scheduler_output, runner_output)
+
+    def _fail_grammars(self) -> list[EngineCoreOutput]:
+        failures = self.scheduler.take_grammar_failures()
+        if not failures:
+            return []
+        logger.error("structured-output grammars failed (their requests finish with an error): %s", failures)
+        return self._finish_with_error(failures)
 
     def _update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(so, runner_output)
@@ -118,10 +147,15 @@ class EngineCore:
         block on the oldest batch when the queue is full or nothing new can be scheduled."""
         if len(self._batch_queue) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
+            failed_grammars = self._fail_grammars()
+            if failed_grammars:
+                if not scheduler_output.is_empty:
+                    failed_grammars += self._enqueue(scheduler_output)
+                return failed_grammars
             if not scheduler_output.is_empty:
-                self._batch_queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
-                if len(self._batch_queue) < self.max_concurrent_batches:
-                    return []
+                refused = self._enqueue(scheduler_output)
+                if refused or len(self._batch_queue) < self.max_concurrent_batches:
+                    return refused
             elif not self._batch_queue:
                 try:
                     runner_output = self.executor.execute_model(scheduler_output)
@@ -134,12 +168,24 @@ class EngineCore:
         try:
             runner_output = future.result()
         except Exception as exc:
-            # The pipeline broke: the batches behind this one will not come back either.
-            outputs = self._fail_batch(scheduler_output, exc)
-            while self._batch_queue:
-                outputs += self._fail_batch(self._batch_queue.popleft()[0], exc)
-            return outputs
+            return self._fail_pipeline(scheduler_output, exc)
         return self._update_from_output(scheduler_output, runner_output)
+
+    def _enqueue(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Hand a batch to the pipeline. An executor that refuses it (its worker group died) fails it the
+        way a batch that fails in flight does, so the caller sees one behaviour either way."""
+        try:
+            self._batch_queue.append((so, self.executor.execute_model_async(so)))
+        except Exception as exc:
+            return self._fail_pipeline(so, exc)
+        return []
+
+    def _fail_pipeline(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """The pipeline broke at this batch: the batches behind it will not come back either."""
+        outputs = self._fail_batch(so, exc)
+        while self._batch_queue:
+            outputs += self._fail_batch(self._batch_queue.popleft()[0], exc)
+        return outputs
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -148,4 +194,6 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self._structured_output is not None:
+            self._structured_output.shutdown()
         self.executor.shutdown()

@@ -5,19 +5,25 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.engine.structured_output.manager import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    # Its structured-output grammar is still compiling: the scheduler leaves it out until then.
+    WAITING_FOR_GRAMMAR = 1
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -59,6 +65,8 @@ class Request:
     scheduled_time: float | None = None
     # Prompt logprob entries already reported (recompute after a preemption must not repeat them).
     num_prompt_logprobs_sent: int = 0
+    # The grammar matcher of a request with structured_outputs (set by the scheduler on arrival).
+    structured_output: StructuredOutputRequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

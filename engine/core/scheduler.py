@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
@@ -22,6 +23,9 @@ from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.request_queue import RequestQueue, create_request_queue
 from pagedserve.engine.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedserve.kv_transfer.base import KVConnectorScheduler
+
+if TYPE_CHECKING:
+    from pagedserve.engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ class Scheduler:
         config: EngineConfig,
         kv_cache_manager: KVCacheManager,
         kv_connector: KVConnectorScheduler | None = None,
+        structured_output: Callable[[], StructuredOutputManager] | None = None,
     ) -> None:
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None, "resolve() the config"
         self.max_num_seqs = config.max_num_seqs
@@ -41,6 +46,12 @@ class Scheduler:
         self.policy = config.scheduling_policy
         self.kv_cache_manager = kv_cache_manager
         self.kv_connector = kv_connector
+        # Returns the engine's structured-output manager (made on first use: xgrammar loads lazily).
+        self._structured_output = structured_output
+        # Requests whose grammar is still compiling (WAITING_FOR_GRAMMAR), in arrival order, and
+        # requests whose compile failed or timed out (the engine core finishes them with "error").
+        self._waiting_for_grammar: dict[str, Request] = {}
+        self._grammar_failures: dict[str, str] = {}
 
         self.requests: dict[str, Request] = {}
         # The policy lives in the queue: serving order, where preempted requests go, who is preempted.
@@ -69,7 +80,41 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None and request.structured_output is None:
+            if self._structured_output is None:
+                raise ValueError("structured_outputs: this engine has no structured-output manager")
+            request.structured_output = self._structured_output().new_request(constraint, request.eos_token_ids)
+        if request.structured_output is not None and not request.structured_output.is_ready:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._waiting_for_grammar[request.request_id] = request
+            return
         self.waiting.add(request)
+
+    def _admit_grammar_ready(self) -> None:
+        """Move requests whose grammar has compiled into the waiting queue; record failed ones. An
+        engine with nothing else to do waits briefly for a compile here instead of spinning."""
+        if not self._waiting_for_grammar:
+            return
+        manager = self._structured_output()
+        if not self.running and not len(self.waiting) and not self._in_flight:
+            manager.wait_any([r.structured_output for r in self._waiting_for_grammar.values()], 0.05)
+        now = time.monotonic()
+        for rid, request in list(self._waiting_for_grammar.items()):
+            if rid in self._grammar_failures:
+                continue
+            error = request.structured_output.poll(now, manager.compile_timeout)
+            if error is not None:
+                self._grammar_failures[rid] = error
+            elif request.structured_output.is_ready:
+                del self._waiting_for_grammar[rid]
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+
+    def take_grammar_failures(self) -> dict[str, str]:
+        """Requests whose grammar failed to compile since the last call -> why."""
+        failures, self._grammar_failures = self._grammar_failures, {}
+        return failures
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or stop, e.g. on a stop string) requests wherever they are; frees their blocks.
@@ -87,6 +132,7 @@ class Scheduler:
             self.running = [r for r in self.running if r not in running]
         self.waiting.remove(r for r in finished if r.status != RequestStatus.RUNNING)
         for request in finished:
+            self._waiting_for_grammar.pop(request.request_id, None)
             request.status = status
             self._free_request(request)
         return finished
@@ -118,6 +164,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         scheduled: list[Request] = []
         preempted_this_step = False
+        self._admit_grammar_ready()
         now = time.time()
 
         # 1. Running requests: decodes and the remaining chunks of partial prefills.
@@ -232,6 +279,10 @@ class Scheduler:
             self._in_flight.add(rid)
             request.num_computed_tokens += num_scheduled[rid]
 
+        # Constrained rows that sample this step (not partial prefills) get their bitmask.
+        constrained = [
+            r for r in scheduled if r.structured_output is not None and r.num_computed_tokens == r.num_tokens
+        ]
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -239,6 +290,9 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=set(self._finished_req_ids),
         )
+        if constrained:
+            output.structured_output_req_ids = [r.request_id for r in constrained]
+            output.grammar_bitmask = self._structured_output().fill_bitmask([r.structured_output for r in constrained])
         if scheduled:  # an empty output may never reach the workers (pipeline mode): resend the ids
             self._finished_req_ids = set()
         return output
@@ -297,11 +351,14 @@ class Scheduler:
             self.num_prompt_tokens += min(num_tokens, prompt_left)
             new_token_ids: list[int] = []
             token = runner_output.sampled_token_ids.get(rid)
+            error = None
             if token is not None:
                 request.append_output_token(token)
                 new_token_ids.append(token)
                 self.num_generation_tokens += 1
                 self._check_stop(request)
+                if request.structured_output is not None:
+                    error = self._accept_constrained(request, token)
             prompt_logprobs = runner_output.prompt_logprobs.get(rid)
             if prompt_logprobs is not None:
                 prompt_logprobs = request.take_new_prompt_logprobs(chunk_start, prompt_logprobs)
@@ -318,12 +375,23 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
                 num_preemptions=request.num_preemptions,
                 first_scheduled_time=request.scheduled_time,
+                error=error,
             )
             outputs.append(output)
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
         return outputs
+
+    def _accept_constrained(self, request: Request, token: int) -> str | None:
+        """Advance the request's matcher; a terminated grammar stops it, a rejected token fails it."""
+        constraint = request.structured_output
+        if not constraint.accept(token):
+            request.status = RequestStatus.FINISHED_ERROR
+            return f"structured_outputs: the grammar rejected the sampled token {token}"
+        if constraint.is_terminated and not request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        return None
 
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
@@ -346,7 +414,7 @@ class Scheduler:
         totals = kv.total_prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._waiting_for_grammar),
             kv_cache_usage=kv.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=totals.queries,

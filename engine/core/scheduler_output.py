@@ -8,6 +8,7 @@ blocks, the new tokens and how far the cache has been computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -44,6 +45,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests finished or aborted since the last step: workers drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured output: the requests that sample a constrained token this step, and their token
+    # bitmask (a [len(structured_output_req_ids), ceil(vocab / 32)] int32 CPU tensor, row per id).
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -2,7 +2,7 @@
 
 Order of operations per row (vLLM-like):
   raw logprobs (log_softmax of the model's logits, reported to the user)
-  -> logit_bias -> min_tokens (mask EOS and stop ids) -> bad_words
+  -> structured output (the grammar's token bitmask: disallowed tokens get -inf) -> logit_bias -> min_tokens (mask EOS and stop ids) -> bad_words
   -> repetition penalty (HF, prompt+output) -> frequency/presence penalties (OpenAI, output)
   -> greedy rows: argmax
   -> random rows: / temperature -> top-k/top-p/min-p -> softmax -> exponential race.
@@ -12,6 +12,9 @@ generator when it has one, so a seeded request samples the same tokens whatever 
 in the batch. That generator is made on the device of the logits it samples (CUDA
 sampling needs a CUDA generator). Per-row Python work is done only for rows whose
 parameters need it.
+
+Logprobs are those of the raw distribution, before the grammar mask and every other processor
+(vLLM's default), so a constrained request's logprobs mean the same as an unconstrained one's.
 
 Failures are kept to their request: the per-row work (logits processors, a seeded
 row's noise) runs guarded, a row that raises is reported in `SamplerOutput.errors` and
@@ -117,7 +120,15 @@ class Sampler:
             self._generators[device] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        token_bitmask: torch.Tensor | None = None,
+        bitmask_rows: list[int] | None = None,
+    ) -> SamplerOutput:
+        """One token per row. `token_bitmask` (one row per entry of `bitmask_rows`) limits those rows
+        to the tokens their grammar allows."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits must be [num_states, vocab]; got {tuple(logits.shape)} for {len(states)} states"
@@ -126,7 +137,12 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = logits.to(torch.float32)
         errors: dict[int, str] = {}
-        processed = _apply_logits_processors(logits, states, errors, self.fault_injector)
+        masked = logits
+        if token_bitmask is not None and bitmask_rows:
+            from pagedserve.engine.structured_output.bitmask import apply_token_bitmask  # xgrammar loads lazily
+
+            masked = apply_token_bitmask(logits, token_bitmask, bitmask_rows)
+        processed = _apply_logits_processors(masked, states, errors, self.fault_injector)
         random_states = [s for i, s in enumerate(states) if i not in errors and not s.params.greedy]
         noise = self._draw_noise(logits, states, errors) if random_states else None
         if not errors:

@@ -242,7 +242,7 @@ class ModelRunner:
                 self.sampler.fault_injector = (
                     None if self.fault_injector is None else functools.partial(self.fault_injector, "sample")
                 )
-                sampled = self.sampler.sample(logits, states)
+                sampled = self.sampler.sample(logits, states, *self._bitmask_for(so, batch))
                 for row, rid in enumerate(batch.sample_req_ids):
                     if row in sampled.errors:
                         output.failed[rid] = sampled.errors[row]
@@ -253,6 +253,17 @@ class ModelRunner:
         for rid in output.failed:
             output.prompt_logprobs.pop(rid, None)
         return output if self.is_driver else None
+
+    @staticmethod
+    def _bitmask_for(so: SchedulerOutput, batch: _Batch) -> tuple[torch.Tensor | None, list[int] | None]:
+        """The scheduler's grammar bitmask and, per bitmask row, the logits row it constrains."""
+        if so.grammar_bitmask is None or not so.structured_output_req_ids:
+            return None, None
+        row_of = {rid: row for row, rid in enumerate(batch.sample_req_ids)}
+        keep = [i for i, rid in enumerate(so.structured_output_req_ids) if rid in row_of]
+        rows = [row_of[so.structured_output_req_ids[i]] for i in keep]
+        bitmask = so.grammar_bitmask if len(keep) == len(so.structured_output_req_ids) else so.grammar_bitmask[keep]
+        return bitmask, rows
 
     def _compute_prompt_logprobs(
         self, batch: _Batch, hidden: torch.Tensor, failed: dict[str, str]
