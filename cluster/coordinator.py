@@ -1,11 +1,9 @@
 """Data-parallel coordinator: routes each request to one of several headless engine actors.
 
-Routing (`choose_engine`): power of two choices by load, with prefix affinity. Load is the number
-of requests this coordinator has in flight on an engine plus the engine's latest waiting + running
-counts plus `kv_weight * kv_cache_usage`. Affinity keys are the chained block hashes
-(`engine.core.block_pool.hash_block_tokens`) of the prompt's first `affinity_blocks` full blocks, kept in
-a bounded LRU map hash -> engine; the longest known prefix wins, and is used unless that engine's
-load exceeds `imbalance_factor * (the two-choice winner's load) + 1`.
+The in-process counterpart of the Serve request router (`serve_router`): it drives engine actors it
+was given (tests, `tests/local_serving.py`, embedding pagedserve in another Ray program). Routing
+(`choose_engine`) is `routing_policy.RoutingPolicy`, the same policy the Serve router runs: power of
+two choices by load, with prefix affinity bounded by an imbalance factor and a KV-usage weight.
 
 Failure: a dead actor (RayActorError and subclasses) fails only the requests it was serving, with
 `EngineDeadError`; the engine is then skipped by routing until a stats poll (`refresh_stats`) gets an
@@ -30,9 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +38,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from pagedserve.cluster.abort_batcher import AbortBatcher
 from pagedserve.cluster.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
-from pagedserve.engine.core.block_pool import BlockHash, hash_block_tokens
+from pagedserve.cluster.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.engine.core.block_pool import BlockHash
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -74,9 +71,7 @@ class EngineState:
         return self.available and (self.stats is None or bool(self.stats.get("healthy", True)))
 
     def load(self, kv_weight: float) -> float:
-        stats = self.stats or {}
-        return (self.in_flight + stats.get("num_waiting", 0) + stats.get("num_running", 0)
-                + kv_weight * stats.get("kv_cache_usage", 0.0))
+        return engine_load(self.in_flight, self.stats, kv_weight)
 
 
 class DPCoordinator:
@@ -98,14 +93,8 @@ class DPCoordinator:
             raise ValueError("engines: need at least one engine actor")
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
-        if affinity_blocks < 0:
-            raise ValueError(f"affinity_blocks: must be >= 0, got {affinity_blocks}")
-        if imbalance_factor < 1.0:
-            raise ValueError(f"imbalance_factor: must be >= 1, got {imbalance_factor}")
         if stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s: must be > 0, got {stats_interval_s}")
-        if max_affinity_entries < 1:
-            raise ValueError(f"max_affinity_entries: must be >= 1, got {max_affinity_entries}")
         self.engines = [EngineState(i, handle) for i, handle in enumerate(engines)]
         self.block_size = block_size
         self.affinity_blocks = affinity_blocks
@@ -114,25 +103,23 @@ class DPCoordinator:
         self.kv_weight = kv_weight
         self.stats_timeout_s = stats_timeout_s
         self.max_affinity_entries = max_affinity_entries
-        self._rng = random.Random(seed)
-        self._affinity: OrderedDict[BlockHash, int] = OrderedDict()
+        self.policy: RoutingPolicy[int] = RoutingPolicy(
+            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries), seed=seed)
         self._requests: dict[str, int] = {}  # request_id -> engine index, while in flight
         self._want_polling = False
         self._poller: asyncio.Task | None = None
         self._aborts = AbortBatcher(self._send_aborts)
         self._last_poll_time: float | None = None  # time.monotonic() of the last completed poll round
 
-    # ------------------------------------------------------------------ routing
+    # ------------------------------------------------------------------ routing (policy: routing_policy)
+
+    @property
+    def _affinity(self) -> dict:
+        return self.policy._affinity
 
     def prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[BlockHash]:
         """Chained hashes of the prompt's first `affinity_blocks` full blocks."""
-        num_blocks = min(self.affinity_blocks, len(prompt_token_ids) // self.block_size)
-        hashes: list[BlockHash] = []
-        parent: BlockHash | None = None
-        for b in range(num_blocks):
-            parent = hash_block_tokens(parent, prompt_token_ids[b * self.block_size:(b + 1) * self.block_size])
-            hashes.append(parent)
-        return hashes
+        return self.policy.hashes(prompt_token_ids, self.block_size)
 
     def _candidates(self, exclude: frozenset[int] = frozenset()) -> list[EngineState]:
         engines = [e for e in self.engines if e.index not in exclude]
@@ -145,32 +132,17 @@ class DPCoordinator:
     def choose_engine(self, prompt_token_ids: list[int], exclude: frozenset[int] = frozenset()) -> int:
         """Engine index for this prompt: load + prefix affinity + power of two choices, among the engines
         not in `exclude` (there must be one)."""
-        candidates = self._candidates(exclude)
-        if len(candidates) == 1:
-            return candidates[0].index
-        first, second = self._rng.sample(candidates, 2)
-        choice = first if first.load(self.kv_weight) <= second.load(self.kv_weight) else second
-        affine = self._affinity_engine(prompt_token_ids, candidates)
-        if affine is not None and affine.load(self.kv_weight) <= (
-            self.imbalance_factor * choice.load(self.kv_weight) + 1
-        ):
-            return affine.index
-        return choice.index
+        candidates = [e.index for e in self._candidates(exclude)]
+        index, _ = self.policy.choose(candidates, lambda i: self.engines[i].load(self.kv_weight),
+                                      self.prefix_hashes(prompt_token_ids))
+        return index
 
     def _affinity_engine(self, prompt_token_ids: Sequence[int], candidates: list[EngineState]) -> EngineState | None:
-        allowed = {e.index for e in candidates}
-        for block_hash in reversed(self.prefix_hashes(prompt_token_ids)):  # longest known prefix first
-            index = self._affinity.get(block_hash)
-            if index is not None and index in allowed:
-                return self.engines[index]
-        return None
+        index = self.policy._affine([e.index for e in candidates], self.prefix_hashes(prompt_token_ids), None)
+        return None if index is None else self.engines[index]
 
     def _remember_prefix(self, prompt_token_ids: Sequence[int], index: int) -> None:
-        for block_hash in self.prefix_hashes(prompt_token_ids):
-            self._affinity[block_hash] = index
-            self._affinity.move_to_end(block_hash)
-        while len(self._affinity) > self.max_affinity_entries:
-            self._affinity.popitem(last=False)
+        self.policy.remember(self.prefix_hashes(prompt_token_ids), index)
 
     # ------------------------------------------------------------------ requests
 
