@@ -72,7 +72,7 @@ def test_chat_request_fields():
     [
         (dict(top_logprobs=2), "top_logprobs"),
         (dict(tools=[{"type": "function"}]), "tools"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "json_schema"}), "response_format"),
         (dict(stream_options={"include_usage": True}), "stream_options"),
         (dict(n=0), "n"),
         (dict(max_completion_tokens=0), "max_completion_tokens"),

@@ -4,8 +4,13 @@ Every numeric field carries the range the engine can honour, so a bad value is a
 field before anything runs; limits that depend on the server (`max_n`, `max_logprobs`, the
 vocabulary) are checked by `OpenAIServing`. Text that is not valid Unicode is refused. Unknown
 fields are accepted, ignored and logged with the request id, as vLLM does; fields we recognise but
-do not implement (`suffix`, `tools`, `use_beam_search`, a JSON `response_format`, ...) are refused
-with a ValueError naming the field, which the server turns into a 400.
+do not implement (`suffix`, `tools`, `use_beam_search`, ...) are refused with a ValueError naming
+the field, which the server turns into a 400.
+
+Structured output comes from `response_format` (`json_object`, or `json_schema` with its `schema`)
+or vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` / `structured_outputs`:
+at most one per request, turned into the engine's `StructuredOutputsParams`; a spec that does not
+parse is a 400 naming the request field it came from.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.validation import (
@@ -33,6 +38,7 @@ from pagedserve.cluster.serving.validation import (
     unsupported_field,
 )
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,10 @@ TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 _TOKEN_KEY = re.compile(r"[0-9]{1,10}")
+# OpenAI's rule for response_format.json_schema.name.
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# The engine's own field prefix on a spec error ("structured_outputs.regex: ..."), replaced by the request field.
+_SPEC_PREFIX = re.compile(r"^structured_outputs(\.\w+)?: ")
 
 
 class OpenAIRequest(BaseModel):
@@ -115,6 +125,13 @@ class SamplingRequest(OpenAIRequest):
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_TOKEN_LIST)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    # vLLM extras: structured output (at most one constraint, response_format included)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -135,12 +152,46 @@ class SamplingRequest(OpenAIRequest):
     def _check_shared(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            kind = str(self.response_format.get("type"))[:64]
-            raise ValueError(f"response_format: type {kind!r} is not supported yet (only 'text')")
+        self.structured_output_spec()
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not supported with stream=true")
         return self
+
+    def structured_output_spec(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The request's output constraint and the field it came from; ValueError naming that field."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type", "text")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                found.append(("response_format", {"json": _json_schema_of(fmt.get("json_schema"))}))
+            elif kind != "text":
+                raise ValueError(f"response_format: type {str(kind)[:64]!r} is not supported "
+                                 "(use 'text', 'json_object' or 'json_schema')")
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one output constraint per request (also got {found[0][0]})")
+        if not found:
+            if self.guided_whitespace_pattern is not None:
+                raise ValueError("guided_whitespace_pattern: needs a JSON constraint (guided_json or response_format)")
+            return None
+        field_name, spec = found[0]
+        if self.guided_whitespace_pattern is not None and ("json" in spec or "json_object" in spec):
+            spec["whitespace_pattern"] = self.guided_whitespace_pattern
+        try:
+            return field_name, StructuredOutputsParams(**spec)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error.get("loc", ()))
+            message = _SPEC_PREFIX.sub("", str(error.get("msg", "")).removeprefix("Value error, "))
+            raise ValueError(f"{field_name}: {where + ': ' if where else ''}{message}") from None
 
     @property
     def include_usage(self) -> bool:
@@ -197,7 +248,30 @@ class SamplingRequest(OpenAIRequest):
             allowed_token_ids=self.allowed_token_ids,
         )
         values.update({k: v for k, v in optional.items() if v is not None})
+        constraint = self.structured_output_spec()
+        if constraint is not None:
+            field_name, spec = constraint
+            from pagedserve.engine.structured_output.grammar import check_spec  # xgrammar loads lazily
+
+            try:
+                check_spec(spec)
+            except ValueError as exc:
+                raise ValueError(f"{field_name}: {_SPEC_PREFIX.sub('', str(exc))}") from None
+            values["structured_outputs"] = spec
         return SamplingParams(**values)
+
+
+def _json_schema_of(json_schema: Any) -> dict[str, Any] | str:
+    """The schema of an OpenAI `response_format.json_schema` object ({"name", "schema", "strict", ...})."""
+    if not isinstance(json_schema, dict):
+        raise ValueError("response_format: type 'json_schema' needs a json_schema object with a name and a schema")
+    name = json_schema.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise ValueError("response_format: json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
+    schema = json_schema.get("schema")
+    if not isinstance(schema, (dict, str)):
+        raise ValueError("response_format: json_schema.schema must be a JSON schema object")
+    return schema
 
 
 def _is_ids(x: Any) -> bool:

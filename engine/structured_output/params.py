@@ -22,7 +22,7 @@ MAX_CHOICES = 1024
 class StructuredOutputsParams(BaseModel):
     """One output constraint; errors name the field (`structured_outputs.<field>`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     json_object: bool | None = None
