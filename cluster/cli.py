@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
     serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
     serve_parser.add_argument("--num-cpus-per-engine", type=float)
+    scale = serve_parser.add_argument_group("scale-out (Serve deployments)")
+    scale.add_argument("--min-replicas", type=int, help="autoscale the engine replicas from this many (default 1 "
+                                                        "when --max-replicas is given)")
+    scale.add_argument("--max-replicas", type=int, help="autoscale the engine replicas up to this many")
+    scale.add_argument("--target-ongoing-requests", type=float,
+                       help="requests in flight per engine replica the autoscaler aims at (default 32)")
+    scale.add_argument("--upscale-delay-s", type=float, help="load must last this long before a scale-up (default 5)")
+    scale.add_argument("--downscale-delay-s", type=float,
+                       help="idleness must last this long before a scale-down (default 60)")
+    scale.add_argument("--num-ingress-replicas", type=int, help="HTTP ingress replicas (default 1)")
+    scale.add_argument("--graceful-shutdown-timeout-s", type=float,
+                       help="how long a removed engine replica may finish its requests (default 60)")
     serve_parser.add_argument("--max-n", type=int, help="largest n / best_of a request may ask for (default 16)")
     serve_parser.add_argument("--max-request-body-bytes", type=int,
                               help="larger request bodies get a 413; also the longest rendered chat prompt, in "
@@ -115,8 +127,11 @@ def cmd_serve(args: ServeArgs) -> int:
     handle = start_server(args)
     for info in handle.get_engine_info.remote().result():
         tokens = info["num_kv_blocks"] * info["block_size"]
-        print(f"pagedserve: engine {info['engine_index']}: {info['num_kv_blocks']} KV blocks x "
+        print(f"pagedserve: each engine: {info['num_kv_blocks']} KV blocks x "
               f"{info['block_size']} tokens = {tokens} tokens; max_model_len {info['max_model_len']}", flush=True)
+    if args.autoscaling:
+        print(f"pagedserve: engine replicas autoscale between {args.min_replicas or 1} and "
+              f"{args.max_replicas or max(args.min_replicas or 1, args.data_parallel_size)}", flush=True)
     url = server_url(args)
     print(f"pagedserve: ready at {url}/v1  (health {url}/health, metrics {url}/metrics). Ctrl-C to stop.",
           flush=True)

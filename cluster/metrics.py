@@ -58,6 +58,17 @@ _COUNTERS = (
     ("generation_tokens", "num_generation_tokens", "Generation tokens processed."),
 )
 
+# Per-engine gauges: (metric name after "engine_", stats key, help)
+_PER_ENGINE = (
+    ("num_requests_running", "num_running", "Requests in model execution batches"),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled"),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use"),
+    ("kv_cache_free_blocks", "num_free_blocks", "KV cache blocks in the free pool"),
+    ("kv_cache_total_blocks", "num_total_blocks", "KV cache blocks in total"),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    ("num_requests_routed", "num_routed", "Requests this process routed to the engine"),
+)
+
 
 class EngineStatsCollector(Collector):
     """Reads the engines' aggregated stats at scrape time."""
@@ -87,6 +98,37 @@ class EngineStatsCollector(Collector):
             index = str(engine_stats.get("engine_index", i))
             healthy.add_metric([self.model_name, index], 1.0 if engine_stats.get("healthy", True) else 0.0)
         yield healthy
+        yield from self._per_engine(per_engine)
+        yield from self._routing(stats)
+
+    def _per_engine(self, per_engine: list[dict]):
+        """Each engine's own figures, labelled by engine (a replica id under Serve)."""
+        labels = ["model_name", "engine_index"]
+        for name, key, help_text in _PER_ENGINE:
+            family = GaugeMetricFamily(PREFIX + "engine_" + name, help_text + " (per engine)", labels=labels)
+            for i, engine_stats in enumerate(per_engine):
+                if key in engine_stats:
+                    family.add_metric([self.model_name, str(engine_stats.get("engine_index", i))],
+                                      float(engine_stats.get(key) or 0))
+            yield family
+
+    def _routing(self, stats: dict):
+        engines = GaugeMetricFamily(PREFIX + "num_engines", "Engines (replicas) known to the router.",
+                                    labels=["model_name"])
+        engines.add_metric([self.model_name], float(stats.get("num_engines", 0) or 0))
+        yield engines
+        healthy = GaugeMetricFamily(PREFIX + "num_healthy_engines", "Engines reporting healthy.",
+                                    labels=["model_name"])
+        healthy.add_metric([self.model_name], float(stats.get("num_healthy_engines", 0) or 0))
+        yield healthy
+        decisions = stats.get("routing_decisions")
+        if decisions is not None:
+            family = CounterMetricFamily(PREFIX + "routing_decisions", "Routing decisions of this process's "
+                                         "router, by kind (prefix_affine, prefix_fallback, balanced, single).",
+                                         labels=["model_name", "decision"])
+            for decision, count in sorted(decisions.items()):
+                family.add_metric([self.model_name, decision], float(count))
+            yield family
 
 
 class ServingMetrics:

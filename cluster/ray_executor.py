@@ -1,6 +1,8 @@
 """`RayExecutor`: the engine's executor over a Ray worker group (one actor per TP x PP rank).
 
-The engine selects it by name (`distributed_executor_backend="ray"`, the default when
+Inside a Serve engine replica whose placement group has a bundle per rank after its own, the
+ranks go into that group (see `serve_app.engine_deployment_options`); elsewhere the worker group
+creates its own. The engine selects it by name (`distributed_executor_backend="ray"`, the default when
 tp * pp > 1). With pipeline parallelism it lets the engine keep `pp` batches in flight:
 `execute_model_async` returns at once, and each actor runs its steps in order.
 """
@@ -37,6 +39,12 @@ class RayExecutor(Executor):
             use_gpu=use_gpu,
             strategy=config.placement_group_strategy,
         )
+        # Inside a Serve engine replica, the replica's placement group holds the ranks (after bundle 0,
+        # the replica's own): Serve schedules and replaces the replica and its ranks together.
+        current = ray.util.get_current_placement_group()
+        if current is not None and len(current.bundle_specs) > config.world_size:
+            options.placement_group = current
+            options.first_bundle = len(current.bundle_specs) - config.world_size
         # The ranks run on the device their bundles reserve, whatever their node would offer.
         self.group = WorkerGroup(config.model_copy(update={"device": "cuda" if use_gpu else "cpu"}), options)
 

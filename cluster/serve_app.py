@@ -1,99 +1,158 @@
-"""The OpenAI-compatible HTTP service on Ray Serve: a FastAPI app as the Serve ingress.
+"""The OpenAI-compatible service on Ray Serve: an engine deployment behind a replicated ingress.
 
-`pagedserve.cluster.serving` holds the request logic and the FastAPI app (`build_fastapi_app`).
-`PagedServeIngress` is the Serve deployment: its constructor starts the engine actors and the
-coordinator, then builds the FastAPI app for this replica (`__serve_build_asgi_app__`, so no app object is shared at module level).
-`build_app(args)` is the app builder for `serve run pagedserve.cluster.serve_app:build_app model=...` and
-Serve config files; `start_server` / `shutdown_server` run it programmatically (the CLI, tests,
-the benchmark).
+- `<app>-engine` (`PagedServeEngine`): one replica = one headless engine. `num_replicas` is the
+  data-parallel size, or `autoscaling_config` (min/max replicas, target ongoing requests, delays)
+  makes it elastic. With TP/PP > 1 its placement group bundles hold the ranks. Requests reach it
+  through the `serve_router.PrefixAffinityRouter` (request_router_config).
+- `<app>-ingress` (`PagedServeIngress`): stateless; HTTP, auth, validation, tokenization, chat
+  templates, SSE. It reaches the engines through a DeploymentHandle (`serve_client`); any replica
+  serves any request.
+
+`build_app(args)` is the app builder for `serve run pagedserve.cluster.serve_app:build_app ...` and
+Serve config files (`manifests/serve_config.yaml`); `start_server` / `shutdown_server` run it
+programmatically (the CLI, tests, the benchmark), so both run the same app.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
 
+from pagedserve.cluster.engine_deployment import PagedServeEngine
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.settings import ServeArgs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PagedServeIngress", "build_app", "build_fastapi_app", "server_url", "shutdown_server", "start_server"]
+__all__ = ["PagedServeEngine", "PagedServeIngress", "ROUTER_CLASS", "build_app", "build_fastapi_app",
+           "engine_deployment_options", "server_url", "shutdown_server", "start_server"]
 
-
-# --------------------------------------------------------------------------- Ray Serve
+ROUTER_CLASS = "pagedserve.cluster.serve_router:PrefixAffinityRouter"
+# Admission is ours (max_pending_requests -> 503 in the ingress, EngineOverloadedError in the engine).
+INGRESS_MAX_ONGOING = 100_000
 
 
 @serve.deployment(
     name="PagedServeIngress",
     num_replicas=1,
-    max_ongoing_requests=100_000,  # admission is ours (max_pending_requests -> 503), not Serve's queue
+    max_ongoing_requests=INGRESS_MAX_ONGOING,
     ray_actor_options={"num_cpus": 0},
     health_check_period_s=10,
     health_check_timeout_s=60,
-    graceful_shutdown_timeout_s=5,
+    graceful_shutdown_timeout_s=30,
 )
 @serve.ingress()
 class PagedServeIngress:
-    """One replica: the engine actors it started, their coordinator, and the HTTP app in front."""
+    """One ingress replica: the HTTP app over a handle to the engine deployment."""
 
-    async def __init__(self, args: dict) -> None:
-        from pagedserve.cluster.coordinator import DPCoordinator
-        from pagedserve.cluster.engine_actor import start_engine_actors
+    async def __init__(self, args: dict, engine: Any) -> None:
+        from pagedserve.cluster.serve_client import ServeEngineClient
         from pagedserve.engine.processor import load_tokenizer
 
         self.args = ServeArgs.model_validate(args)
-        a = self.args
-        logger.info("pagedserve: loading %s on %d engine(s) (tp=%d, pp=%d)", a.model, a.data_parallel_size,
-                    a.tensor_parallel_size, a.pipeline_parallel_size)
-        self.engines = start_engine_actors(a.engine_kwargs(), a.data_parallel_size, a.num_cpus_per_engine,
-                                           max_pending_requests=a.max_pending_requests)
-        self.engine_info: list[dict] = list(await asyncio.gather(*(e.ready.remote() for e in self.engines)))
-        for info in self.engine_info:
-            logger.info("pagedserve: engine %d ready: %d KV blocks of %d tokens, max_model_len %d",
-                        info["engine_index"], info["num_kv_blocks"], info["block_size"], info["max_model_len"])
-        self.coordinator = DPCoordinator(self.engines, block_size=self.engine_info[0]["block_size"])
-        self.coordinator.start()
-        await self.coordinator.refresh_stats()
-        tokenizer = load_tokenizer(a.tokenizer or a.model)
-        self.serving = OpenAIServing(self.coordinator, tokenizer, a, self.engine_info[0]["max_model_len"])
+        self.engine = engine
+        self.client = ServeEngineClient(engine, engine.app_name, engine.deployment_name)
+        self.engine_info: dict = await engine.ready.remote()  # also starts this handle's router
+        tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
+        self.serving = OpenAIServing(self.client, tokenizer, self.args, self.engine_info["max_model_len"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi_app(self.serving)
+        app = build_fastapi_app(self.serving)
+        replica = serve.get_replica_context().replica_id.unique_id
+
+        @app.middleware("http")
+        async def served_by(request, call_next):  # which ingress replica answered (load balancer debugging)
+            response = await call_next(request)
+            response.headers["x-pagedserve-ingress"] = replica
+            return response
+
+        return app
 
     async def get_engine_info(self) -> list[dict]:
-        return self.engine_info
+        """The `ready()` answer of one engine replica (they all run the same settings)."""
+        return [{**self.engine_info, "engine_index": self.engine_info.get("replica", 0)}]
 
     async def get_stats(self) -> dict:
-        await self.coordinator.refresh_stats()
-        return self.coordinator.aggregate_stats()
+        return self.client.aggregate_stats()
 
-    async def __del__(self) -> None:
-        import ray
 
-        coordinator = getattr(self, "coordinator", None)
-        if coordinator is not None:
-            await coordinator.stop()
-        for engine in getattr(self, "engines", []):
-            ray.kill(engine, no_restart=True)
+def engine_deployment_options(args: ServeArgs, cluster_resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """Serve options of the engine deployment: replicas or autoscaling, resources / placement group
+    bundles, the request router, health checks and the graceful-shutdown window."""
+    from pagedserve.cluster.placement import plan_engine_placement
+
+    engine_kwargs = args.engine_kwargs()
+    placement = plan_engine_placement(engine_kwargs, cluster_resources or {})
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    options: dict[str, Any] = {
+        "name": f"{args.app_name}-engine",
+        "max_ongoing_requests": args.max_pending_requests,
+        "ray_actor_options": placement.actor_options(args.num_cpus_per_engine),
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
+        "request_router_config": {
+            "request_router_class": ROUTER_CLASS,
+            "request_router_kwargs": {"affinity_blocks": args.affinity_blocks,
+                                      "imbalance_factor": args.imbalance_factor, "kv_weight": args.kv_weight},
+            "request_routing_stats_period_s": args.routing_stats_period_s,
+            "request_routing_stats_timeout_s": max(5.0, 5 * args.routing_stats_period_s),
+        },
+    }
+    if args.autoscaling:
+        low = args.min_replicas if args.min_replicas is not None else 1
+        options["autoscaling_config"] = {
+            "min_replicas": low,
+            "initial_replicas": max(low, 1, min(args.data_parallel_size, args.max_replicas or low)),
+            "max_replicas": args.max_replicas if args.max_replicas is not None else max(low, args.data_parallel_size),
+            "target_ongoing_requests": args.target_ongoing_requests,
+            "upscale_delay_s": args.upscale_delay_s,
+            "downscale_delay_s": args.downscale_delay_s,
+        }
+    else:
+        options["num_replicas"] = args.data_parallel_size
+    if world > 1 and args.executor_backend == "ray":
+        rank: dict[str, float] = {"CPU": float(args.num_cpus_per_worker)}
+        if placement.device == "cuda":
+            rank["GPU"] = 1.0
+        # Bundle 0 holds the replica itself; the ranks follow (`ray_executor` schedules them there).
+        options["placement_group_bundles"] = [{"CPU": float(args.num_cpus_per_engine)}] + [dict(rank)] * world
+        options["placement_group_strategy"] = args.placement_group_strategy
+    return options
+
+
+def _cluster_resources() -> dict[str, float]:
+    import ray
+
+    return dict(ray.cluster_resources()) if ray.is_initialized() else {}
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve app builder: `serve run pagedserve.cluster.serve_app:build_app model=/path/to/model block_size=16`.
 
     `args` are `ServeArgs` fields (validated here, so a bad value fails before anything starts)."""
+    from pagedserve.cluster.placement import pinned_engine_kwargs, plan_engine_placement
+
     validated = ServeArgs.model_validate(args)
-    return PagedServeIngress.options(name=f"{validated.app_name}-ingress").bind(validated.to_dict())
+    resources = _cluster_resources()
+    options = engine_deployment_options(validated, resources)
+    engine_kwargs = pinned_engine_kwargs(validated.engine_kwargs(),
+                                         plan_engine_placement(validated.engine_kwargs(), resources))
+    engine = serve.deployment(PagedServeEngine).options(**options).bind(
+        engine_kwargs, validated.max_pending_requests)
+    ingress_args = validated.to_dict()
+    return PagedServeIngress.options(name=f"{validated.app_name}-ingress",
+                                     num_replicas=validated.num_ingress_replicas).bind(ingress_args, engine)
 
 
 def start_server(args: ServeArgs) -> Any:
     """Start/join Ray, start Serve's HTTP proxy on args.host:args.port, deploy the app and wait until it
-    is ready. Returns the deployment handle (`.get_engine_info.remote().result()`)."""
+    is ready. Returns the ingress deployment handle (`.get_engine_info.remote().result()`)."""
     import os
 
     from pagedserve.cluster.ray_utils import ensure_ray
@@ -106,7 +165,7 @@ def start_server(args: ServeArgs) -> Any:
 
 
 def shutdown_server(app_name: str | None = None) -> None:
-    """Delete one app (its replica kills its engine actors), or shut Serve down entirely."""
+    """Delete one app (its engine replicas stop their engines), or shut Serve down entirely."""
     if app_name is None:
         serve.shutdown()
     else:

@@ -44,6 +44,10 @@ class WorkerGroupOptions:
     strategy: str = "PACK"
     # How long to wait for the cluster to offer every bundle before giving up.
     placement_timeout_s: float = 300.0
+    # A placement group someone else owns (a Serve replica's): rank r goes to bundle first_bundle + r,
+    # and the group neither creates nor removes a placement group of its own.
+    placement_group: PlacementGroup | None = None
+    first_bundle: int = 0
 
     def __post_init__(self) -> None:
         if self.num_cpus_per_worker <= 0:
@@ -174,8 +178,11 @@ class WorkerGroup:
     def _start(self) -> None:
         opts = self.options
         bundle = opts.bundle()
-        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=opts.strategy)
-        self._resources.placement_group = pg
+        if opts.placement_group is not None:
+            pg = opts.placement_group
+        else:
+            pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=opts.strategy)
+            self._resources.placement_group = pg
         try:
             ray.get(pg.ready(), timeout=opts.placement_timeout_s)
         except GetTimeoutError:
@@ -191,7 +198,7 @@ class WorkerGroup:
                 num_gpus=1 if opts.use_gpu else 0,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank
+                    placement_group=pg, placement_group_bundle_index=opts.first_bundle + rank
                 ),
             ).remote(self.config, rank, threads)
             self._resources.actors.append(actor)

@@ -12,7 +12,7 @@ import hashlib
 import os
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.models.default_model import DEFAULT_MODEL_NAME, is_default_model, resolve_default_model
@@ -44,6 +44,30 @@ class ServeArgs(EngineConfig):
     tokenizer_pool_size: int = Field(default=2, ge=1, le=64)
     trust_request_chat_template: bool = False
     metrics_require_auth: bool = False
+    # Scale-out on Serve (`serve_app`): the engine deployment's replicas are the data-parallel engines.
+    min_replicas: int | None = Field(default=None, ge=0)  # set min/max to autoscale the engine replicas
+    max_replicas: int | None = Field(default=None, ge=1)
+    target_ongoing_requests: float = Field(default=32.0, gt=0)  # per engine replica, for autoscaling
+    upscale_delay_s: float = Field(default=5.0, ge=0)
+    downscale_delay_s: float = Field(default=60.0, ge=0)  # Serve's default (600 s) suits no LLM fleet
+    num_ingress_replicas: int = Field(default=1, ge=1)
+    graceful_shutdown_timeout_s: float = Field(default=60.0, gt=0)  # a removed engine finishes its requests
+    routing_stats_period_s: float = Field(default=1.0, gt=0)
+    affinity_blocks: int = Field(default=4, ge=0)
+    imbalance_factor: float = Field(default=2.0, ge=1.0)
+    kv_weight: float = Field(default=4.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> "ServeArgs":
+        low = self.min_replicas if self.min_replicas is not None else 1
+        if self.max_replicas is not None and self.max_replicas < low:
+            raise ValueError(f"max_replicas: must be >= min_replicas ({low}), got {self.max_replicas}")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        """Whether the engine replicas autoscale (min or max replicas given) or are a fixed DP size."""
+        return self.min_replicas is not None or self.max_replicas is not None
 
     @field_validator("model")
     @classmethod

@@ -1,0 +1,127 @@
+"""What the OpenAI layer needs of "the engines" (`generate`, `abort`, `latest_stats`, `aggregate_stats`,
+`is_healthy`), over a DeploymentHandle to the engine deployment.
+
+Routing happens inside the handle (`serve_router.PrefixAffinityRouter`). Stats and health come from
+the engine replicas' routing stats as that router last received them, so /health and /metrics cost
+no RPC. Cumulative counters stay monotonic when replicas come and go: the last figures of every
+replica ever seen are kept and summed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS
+from pagedserve.cluster.routing_policy import DECISIONS
+from pagedserve.cluster.router_registry import routers_for
+from pagedserve.cluster.stream_transport import PromptRestorer
+from pagedserve.engine.async_llm import EngineDeadError
+from pagedserve.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Figures of replicas that went away, kept for monotonic counters (bounded: oldest forgotten first).
+MAX_REMEMBERED_REPLICAS = 1024
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """A user exception raised in the replica arrives as RayTaskError: give the cause back."""
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException):
+        return exc.cause
+    return exc
+
+
+class ServeEngineClient:
+    """The engines behind a DeploymentHandle, with the coordinator's API."""
+
+    def __init__(self, handle: Any, app_name: str, deployment_name: str) -> None:
+        self.handle = handle
+        self.stream_handle = handle.options(stream=True)
+        self.app_name = app_name
+        self.deployment_name = deployment_name
+        self._counters: dict[str, dict[str, int]] = {}  # replica -> its latest cumulative counters
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs. Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
+        (the replica died while serving this request). Closing the iteration early cancels the handle's
+        response, which aborts the request in its engine."""
+        response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params, priority)
+        restore = PromptRestorer()
+        finished = False
+        try:
+            async for output in response:
+                output = restore(output)
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+            raise EngineDeadError(f"the engine ended request {request_id!r} without finishing it")
+        except RayActorError as exc:
+            raise EngineDeadError(f"the engine replica died while serving request {request_id!r}: "
+                                  f"{exc.__class__.__name__}") from None
+        except RayTaskError as exc:
+            cause = _unwrap(exc)
+            if cause is exc:
+                raise
+            raise cause from None
+        finally:
+            if not finished:
+                response.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        """Requests are aborted by cancelling their stream (closing `generate`); nothing else to do."""
+
+    # ------------------------------------------------------------------ stats and health
+
+    def _routers(self) -> list:
+        return routers_for(self.app_name, self.deployment_name)
+
+    def routing_snapshot(self) -> dict[str, Any]:
+        """Replicas (deduplicated over this process's routers) and summed routing decisions."""
+        replicas: dict[str, dict] = {}
+        decisions = dict.fromkeys(DECISIONS, 0)
+        for router in self._routers():
+            snap = router.snapshot()
+            for replica in snap["replicas"]:
+                seen = replicas.get(replica["replica"])
+                if seen is None:
+                    replicas[replica["replica"]] = dict(replica)
+                else:
+                    seen["in_flight"] += replica["in_flight"]
+                    seen["num_routed"] += replica["num_routed"]
+            for key, value in snap["decisions"].items():
+                decisions[key] = decisions.get(key, 0) + value
+        return {"replicas": list(replicas.values()), "decisions": decisions}
+
+    def aggregate_stats(self) -> dict[str, Any]:
+        """The coordinator's `aggregate_stats()` shape, over the engine replicas' routing stats."""
+        snap = self.routing_snapshot()
+        reporting = [r for r in snap["replicas"] if "num_total_blocks" in r]
+        for replica in reporting:
+            self._counters[replica["replica"]] = {key: int(replica.get(key, 0)) for key in COUNTER_KEYS}
+            self._counters[replica["replica"]] = self._counters.pop(replica["replica"])  # newest last
+        while len(self._counters) > MAX_REMEMBERED_REPLICAS:
+            self._counters.pop(next(iter(self._counters)))
+        out: dict[str, Any] = {key: sum(c[key] for c in self._counters.values()) for key in COUNTER_KEYS}
+        out.update({key: sum(int(r.get(key, 0)) for r in reporting) for key in GAUGE_KEYS})
+        usages = [float(r.get("kv_cache_usage", 0.0)) for r in reporting]
+        out["kv_cache_usage"] = sum(usages) / len(usages) if usages else 0.0
+        out["num_engines"] = len(snap["replicas"])
+        out["num_healthy_engines"] = sum(bool(r.get("healthy", True)) for r in snap["replicas"])
+        out["num_in_flight"] = sum(r["in_flight"] for r in snap["replicas"])
+        out["routing_decisions"] = snap["decisions"]
+        out["engines"] = [{**r, "engine_index": r["replica"]} for r in snap["replicas"]]
+        return out
+
+    def latest_stats(self) -> dict[str, Any]:
+        return self.aggregate_stats()
+
+    def is_healthy(self) -> bool:
+        """False when no engine replica is known, or one reports a stall (from the latest routing stats)."""
+        replicas = self.routing_snapshot()["replicas"]
+        return bool(replicas) and all(r.get("healthy", True) for r in replicas)

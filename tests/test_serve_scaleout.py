@@ -1,0 +1,245 @@
+"""The scaled-out Serve app, live on loopback: two engine replicas (the DP engines, behind the prefix
+affinity request router) and two stateless ingress replicas, on a tiny random-weight model.
+
+One Ray instance and one app for the module; the fault tests run last (they kill replicas). After
+every test every KV block on every engine replica is free (read from the replicas' routing stats in
+/metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from pagedserve.cluster.serving.settings import ServeArgs
+
+MODEL = "tiny"
+TIMEOUT = 120.0
+BLOCK = 4
+APP = "scaleout"
+PROMPTS = [[(7 * i + 13 * k) % 400 + 10 for k in range(6 + 3 * i)] for i in range(6)]
+
+
+def metric_samples(text: str, name: str) -> dict[str, float]:
+    """label text -> value for one metric of a Prometheus exposition."""
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", re.M)
+    return {labels or "": float(value) for labels, value in pattern.findall(text)}
+
+
+def metric(text: str, name: str) -> float:
+    return sum(metric_samples(text, name).values())
+
+
+def wait_all_blocks_free(http: httpx.Client, replicas: int | None = None, deadline_s: float = 90.0) -> str:
+    """Poll /metrics until every engine replica reports every KV block free and nothing running."""
+    end = time.monotonic() + deadline_s
+    while True:
+        text = http.get("/metrics").text
+        free = metric_samples(text, "pagedserve:engine_kv_cache_free_blocks")
+        total = metric_samples(text, "pagedserve:engine_kv_cache_total_blocks")
+        running = metric(text, "pagedserve:engine_num_requests_running") + metric(
+            text, "pagedserve:engine_num_requests_waiting")
+        ok = bool(total) and free == total and running == 0 and (replicas is None or len(total) == replicas)
+        if ok:
+            return text
+        if time.monotonic() > end:
+            raise AssertionError(f"KV blocks not all free: free={free} total={total} running={running}")
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model_factory("llama", max_position_embeddings=2048)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def hf_text(hf, prompt: list[int], max_new: int) -> str:
+    model, tokenizer = hf
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                             pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    from ray import serve
+
+    from pagedserve.cluster.ray_utils import free_port
+    from pagedserve.cluster.serve_app import server_url, start_server
+
+    model = tiny_model_factory("llama", max_position_embeddings=2048)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    args = ServeArgs(model=str(model), dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, port=free_port(),
+                     served_model_name=MODEL, api_key=None, max_num_seqs=16, data_parallel_size=2,
+                     num_ingress_replicas=2, num_cpus_per_engine=0.5, routing_stats_period_s=0.2, app_name=APP,
+                     graceful_shutdown_timeout_s=20)
+    try:
+        start_server(args)
+        yield server_url(args)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=TIMEOUT) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def blocks_free_after(request):
+    yield
+    if "http" in request.fixturenames:
+        wait_all_blocks_free(request.getfixturevalue("http"))
+
+
+def complete(http: httpx.Client, prompt: list[int], max_tokens: int = 8, **extra) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                              "temperature": 0.0, **extra})
+
+
+def streamed_text(http: httpx.Client, prompt: list[int], max_tokens: int = 8) -> str:
+    import json
+
+    text = ""
+    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                      "temperature": 0.0, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: "):])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+    return text
+
+
+# --------------------------------------------------------------------------- parity and routing
+
+
+def test_two_engines_two_ingresses_match_hf(http, hf):
+    ingresses: set[str] = set()
+    for prompt in PROMPTS:
+        response = complete(http, prompt)
+        assert response.status_code == 200, response.text
+        ingresses.add(response.headers["x-pagedserve-ingress"])
+        expected = hf_text(hf, prompt, 8)
+        assert response.json()["choices"][0]["text"] == expected
+        assert streamed_text(http, prompt) == expected
+    for _ in range(30):  # the proxy spreads requests over both ingress replicas
+        if len(ingresses) == 2:
+            break
+        ingresses.add(complete(http, PROMPTS[0], max_tokens=1).headers["x-pagedserve-ingress"])
+    assert len(ingresses) == 2
+    text = http.get("/metrics").text
+    assert metric(text, "pagedserve:num_engines") == 2
+    assert len(metric_samples(text, "pagedserve:engine_kv_cache_total_blocks")) == 2
+
+
+def test_shared_prefix_lands_on_one_replica(http):
+    text = wait_all_blocks_free(http, replicas=2)
+    before = metric_samples(text, "pagedserve:engine_prefix_cache_hits")
+    shared = [(5 * k) % 300 + 20 for k in range(8 * BLOCK)]  # 8 full blocks
+    assert complete(http, shared + [1, 2, 3]).status_code == 200
+    time.sleep(1.5)  # let the replica's next routing stats (every 0.2 s) reach both ingresses' routers
+    for tail in range(6):
+        assert complete(http, shared + [tail + 7, 3, 2, 1]).status_code == 200
+    after = metric_samples(wait_all_blocks_free(http), "pagedserve:engine_prefix_cache_hits")
+    gained = sorted(after[k] - before.get(k, 0.0) for k in after)
+    # Every follower hit the shared blocks on the replica that holds them; the other replica gained none.
+    assert gained[-1] >= 6 * 8 * BLOCK - BLOCK and gained[0] == 0
+    decisions = metric_samples(http.get("/metrics").text, "pagedserve:routing_decisions_total")
+    assert any("prefix_affine" in labels and value > 0 for labels, value in decisions.items())
+
+
+def test_client_disconnect_aborts_in_engine(http):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{http.base_url}v1/completions", timeout=1.0,
+                   json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 1500, "temperature": 0.0,
+                         "ignore_eos": True})
+    # blocks_free_after: the cancelled handle response aborted the request and freed its blocks
+
+
+# --------------------------------------------------------------------------- faults (these kill replicas)
+
+
+def _replica_actors(kind: str) -> list:
+    import ray
+
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if f"#{APP}-{kind}#" in a["name"]]
+    return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names]
+
+
+def _load(http: httpx.Client, n: int, max_tokens: int, results: list) -> list[threading.Thread]:
+    def one(i: int) -> None:
+        try:
+            response = complete(http, PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, ignore_eos=True)
+            results.append((response.status_code, response.json()))
+        except httpx.HTTPError as exc:
+            results.append((None, repr(exc)))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _wait_running(app: str, deployment: str, replicas: int, deadline_s: float = 180.0) -> None:
+    from ray import serve
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        status = serve.status().applications[app].deployments[deployment]
+        if status.replica_states.get("RUNNING", 0) == replicas and status.status == "HEALTHY":
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{deployment}: not {replicas} running replicas: {serve.status().applications[app]}")
+
+
+def test_engine_replica_killed_fails_only_its_requests(http):
+    import ray
+
+    results: list = []
+    threads = _load(http, 8, 200, results)
+    time.sleep(2.0)
+    victim = _replica_actors("engine")[0]
+    ray.kill(victim, no_restart=True)
+    for thread in threads:
+        thread.join(TIMEOUT)
+    failed = [r for r in results if r[0] != 200]
+    assert len(results) == 8 and 0 < len(failed) < 8, results
+    for status, body in failed:
+        assert status == 503 and body["error"]["code"] == "engine_dead", (status, body)
+    _wait_running(APP, f"{APP}-engine", 2)
+    wait_all_blocks_free(http, replicas=2)
+    assert complete(http, PROMPTS[0]).status_code == 200
+
+
+def test_ingress_replica_killed_other_keeps_serving(http):
+    import ray
+
+    victim = _replica_actors("ingress")[0]
+    results: list = []
+    threads = _load(http, 6, 100, results)
+    time.sleep(1.0)
+    ray.kill(victim, no_restart=True)
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert len(results) == 6 and any(r[0] == 200 for r in results)
+    for _ in range(10):  # new requests are served (by the survivor, then by its replacement too)
+        assert complete(http, PROMPTS[1], max_tokens=2).status_code == 200
+    _wait_running(APP, f"{APP}-ingress", 2)
