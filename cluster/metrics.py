@@ -67,6 +67,7 @@ _PER_ENGINE = (
     ("kv_cache_total_blocks", "num_total_blocks", "KV cache blocks in total"),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
     ("num_requests_routed", "num_routed", "Requests this process routed to the engine"),
+    ("prefixes_reported", "num_prefixes", "Prompt-prefix hashes the engine reports holding (routing stats)"),
 )
 
 

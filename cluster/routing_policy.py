@@ -120,13 +120,12 @@ class RoutingPolicy(Generic[K]):
                 holder: Callable[[BlockHash], K | None] | None) -> K | None:
         allowed = set(candidates)
         for block_hash in reversed(hashes):  # longest known prefix first
-            key = self._affinity.get(block_hash)
+            # What a candidate reports holding beats where this policy sent the prefix itself.
+            key = holder(block_hash) if holder is not None else None
+            if key is None:
+                key = self._affinity.get(block_hash)
             if key is not None and key in allowed:
                 return key
-            if holder is not None:
-                key = holder(block_hash)
-                if key is not None and key in allowed:
-                    return key
         return None
 
     def _count(self, key: K, decision: str) -> tuple[K, str]:

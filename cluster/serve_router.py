@@ -86,7 +86,8 @@ class PrefixAffinityRouter(RequestRouter):
 
         def holder(block_hash: bytes) -> ReplicaID | None:
             short = short_hash(block_hash)
-            return next((r.replica_id for r in healthy if short in self._holds(r)), None)
+            holders = [r for r in healthy if short in self._holds(r)]
+            return min(holders, key=self.replica_load).replica_id if holders else None
 
         choice, _ = self.policy.choose([r.replica_id for r in healthy],
                                        lambda rid: self.replica_load(by_id[rid]), hashes, holder)
@@ -137,6 +138,7 @@ class PrefixAffinityRouter(RequestRouter):
             stats: Mapping = replica.routing_stats or {}
             replicas.append({
                 **{k: v for k, v in stats.items() if k != "prefix_hashes"},
+                "num_prefixes": len(stats.get("prefix_hashes") or ()),
                 "replica": replica.replica_id.unique_id,
                 "in_flight": self.in_flight.get(replica.replica_id, 0),
                 "num_routed": self.num_routed.get(replica.replica_id, 0),

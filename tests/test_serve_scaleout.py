@@ -153,8 +153,13 @@ def test_shared_prefix_lands_on_one_replica(http):
     text = wait_all_blocks_free(http, replicas=2)
     before = metric_samples(text, "pagedserve:engine_prefix_cache_hits")
     shared = [(5 * k) % 300 + 20 for k in range(8 * BLOCK)]  # 8 full blocks
+    reported = {}  # ingress replica -> prefixes reported over all engines, before
+    for _ in range(40):
+        response = http.get("/metrics")
+        reported.setdefault(response.headers["x-pagedserve-ingress"],
+                            metric(response.text, "pagedserve:engine_prefixes_reported"))
     assert complete(http, shared + [1, 2, 3]).status_code == 200
-    time.sleep(1.5)  # let the replica's next routing stats (every 0.2 s) reach both ingresses' routers
+    wait_prefixes_known(http, reported, 8)
     for tail in range(6):
         assert complete(http, shared + [tail + 7, 3, 2, 1]).status_code == 200
     after = metric_samples(wait_all_blocks_free(http), "pagedserve:engine_prefix_cache_hits")
@@ -165,9 +170,22 @@ def test_shared_prefix_lands_on_one_replica(http):
     assert any("prefix_affine" in labels and value > 0 for labels, value in decisions.items())
 
 
+def wait_prefixes_known(http: httpx.Client, before: dict[str, float], more: int, deadline_s: float = 60.0) -> None:
+    """Until every ingress replica's router has the engines' newer routing stats (`more` new prefixes)."""
+    known: set[str] = set()
+    end = time.monotonic() + deadline_s
+    while known != set(before):
+        assert time.monotonic() < end, f"routing stats did not reach every ingress: {known} of {set(before)}"
+        response = http.get("/metrics")
+        ingress = response.headers["x-pagedserve-ingress"]
+        if metric(response.text, "pagedserve:engine_prefixes_reported") >= before.get(ingress, 0) + more:
+            known.add(ingress)
+        time.sleep(0.1)
+
+
 def test_client_disconnect_aborts_in_engine(http):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{http.base_url}v1/completions", timeout=1.0,
+        httpx.post(str(http.base_url).rstrip("/") + "/v1/completions", timeout=1.0,
                    json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 1500, "temperature": 0.0,
                          "ignore_eos": True})
     # blocks_free_after: the cancelled handle response aborted the request and freed its blocks
@@ -188,7 +206,8 @@ def _load(http: httpx.Client, n: int, max_tokens: int, results: list) -> list[th
     def one(i: int) -> None:
         try:
             response = complete(http, PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, ignore_eos=True)
-            results.append((response.status_code, response.json()))
+            ok = response.headers.get("content-type", "").startswith("application/json")
+            results.append((response.status_code, response.json() if ok else response.text))
         except httpx.HTTPError as exc:
             results.append((None, repr(exc)))
 

@@ -38,7 +38,11 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         ids = ids[-keep:]
     serving.check_prompt_length(ids, "messages")
     prompts = [EncodedPrompt(0, None, ids)]
-    params = [serving.sampling_params(request, serving.max_tokens_for(request, len(ids), default_applies=False))]
+    max_tokens = serving.max_tokens_for(request, len(ids), default_applies=False)
+    if request.has_output_constraint:  # parsing the spec loads xgrammar once: off the event loop
+        params = [await serving.run_blocking(serving.sampling_params, request, max_tokens)]
+    else:
+        params = [serving.sampling_params(request, max_tokens)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     num_top = request.top_logprobs or 0

@@ -21,8 +21,13 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest) 
     serving.check_limits(request)
     prompts = [await serving.encode_completion_prompt(i, p, request) for i, p in enumerate(request.prompts())]
     default_applies = "max_tokens" not in request.model_fields_set
-    params = [serving.sampling_params(request, serving.max_tokens_for(request, len(p.token_ids), default_applies))
-              for p in prompts]
+    params = []
+    for p in prompts:
+        max_tokens = serving.max_tokens_for(request, len(p.token_ids), default_applies)
+        if request.has_output_constraint:  # parsing the spec loads xgrammar once: off the event loop
+            params.append(await serving.run_blocking(serving.sampling_params, request, max_tokens))
+        else:
+            params.append(serving.sampling_params(request, max_tokens))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     n = request.n

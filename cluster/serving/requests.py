@@ -157,6 +157,12 @@ class SamplingRequest(OpenAIRequest):
             raise ValueError("prompt_logprobs: not supported with stream=true")
         return self
 
+    @property
+    def has_output_constraint(self) -> bool:
+        fmt = (self.response_format or {}).get("type", "text")
+        guided = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar, self.structured_outputs)
+        return fmt != "text" or any(g is not None for g in guided)
+
     def structured_output_spec(self) -> tuple[str, StructuredOutputsParams] | None:
         """The request's output constraint and the field it came from; ValueError naming that field."""
         found: list[tuple[str, dict[str, Any]]] = []

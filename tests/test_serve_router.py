@@ -1,0 +1,130 @@
+"""The Serve request router's choice over fake replicas: fast and deterministic (no Ray, no Serve app)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pagedserve.cluster.routing_policy import prefix_hashes
+from pagedserve.cluster.serve_router import PrefixAffinityRouter, prompt_of, short_hash
+
+BLOCK = 4
+
+
+@dataclass
+class FakeReplica:
+    """What the router reads of a Serve `RunningReplica`."""
+
+    replica_id: Any
+    routing_stats: dict = field(default_factory=dict)
+    max_ongoing_requests: int = 1000
+
+
+def make_router(n: int, **kwargs):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    deployment = DeploymentID(name="e", app_name="a")
+    router = PrefixAffinityRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(seed=0, **kwargs)
+    replicas = [FakeReplica(ReplicaID(f"r{i}", deployment), {"block_size": BLOCK, "num_running": 0}) for i in range(n)]
+    router._replicas_list = replicas
+    return router, replicas
+
+
+def pending(prompt: list[int] | None, method: str = "generate") -> Any:
+    metadata = SimpleNamespace(call_method=method)
+    return SimpleNamespace(metadata=metadata, args=["req", prompt, {}, 0] if prompt is not None else [], kwargs={})
+
+
+SHARED = list(range(100, 100 + 6 * BLOCK))
+
+
+def test_shared_prefix_goes_where_it_went_before():
+    router, replicas = make_router(4)
+    first = router.choose(replicas, SHARED + [1])
+    for tail in range(10):
+        assert router.choose(replicas, SHARED + [tail, 2, 3]) is first
+    assert router.policy.decisions["prefix_affine"] == 10
+
+
+def test_replica_reported_prefix_wins_without_local_memory():
+    router, replicas = make_router(3)
+    replicas[2].routing_stats["prefix_hashes"] = [short_hash(h) for h in prefix_hashes(SHARED, BLOCK, 8)]
+    assert all(router.choose(replicas, SHARED + [t]) is replicas[2] for t in range(5))
+
+
+def test_overloaded_favourite_is_passed_over():
+    router, replicas = make_router(2, imbalance_factor=2.0)
+    replicas[0].routing_stats["prefix_hashes"] = [short_hash(h) for h in prefix_hashes(SHARED, BLOCK, 8)]
+    replicas[0].routing_stats.update(num_running=10, num_waiting=5)  # load 15 > 2 * 0 + 1
+    assert router.choose(replicas, SHARED + [9]) is replicas[1]
+    assert router.policy.decisions["prefix_fallback"] == 1
+    replicas[0].routing_stats.update(num_running=1, num_waiting=0)  # load 1 <= 2 * 0 + 1: affinity again
+    assert router.choose(replicas, SHARED + [9]) is replicas[0]
+
+
+def test_load_only_picks_less_loaded_and_counts_in_flight():
+    router, replicas = make_router(2)
+    replicas[0].routing_stats["num_waiting"] = 3
+    assert all(router.choose(replicas, None) is replicas[1] for _ in range(5))
+    for _ in range(5):
+        router.on_request_routed(None, replicas[1].replica_id, None)
+    assert router.choose(replicas, None) is replicas[0]  # 5 in flight on r1 > 3 waiting on r0
+    for _ in range(5):
+        router.on_request_completed(replicas[1].replica_id, "x")
+    assert router.in_flight[replicas[1].replica_id] == 0
+
+
+def test_kv_usage_weighs_in():
+    router, replicas = make_router(2, kv_weight=4.0)
+    replicas[0].routing_stats["kv_cache_usage"] = 0.9  # 3.6 > 1 waiting
+    replicas[1].routing_stats["num_waiting"] = 1
+    assert router.choose(replicas, None) is replicas[1]
+
+
+def test_unhealthy_replica_is_avoided():
+    router, replicas = make_router(2)
+    replicas[0].routing_stats["healthy"] = False
+    replicas[1].routing_stats["num_waiting"] = 50
+    assert all(router.choose(replicas, None) is replicas[1] for _ in range(5))
+
+
+def test_choose_replicas_ranks_choice_then_rest_and_reads_generate_args():
+    router, replicas = make_router(3)
+    ranks = asyncio.run(router.choose_replicas(replicas, pending(SHARED)))
+    assert len(ranks) == 2 and len(ranks[0]) == 1 and len(ranks[1]) == 2
+    again = asyncio.run(router.choose_replicas(replicas, pending(SHARED + [5])))
+    assert again[0][0] is ranks[0][0]
+    assert prompt_of(pending(SHARED, method="get_stats")) is None
+    assert prompt_of(pending(SHARED)) == SHARED
+    assert asyncio.run(router.choose_replicas([], pending(SHARED))) == []
+
+
+def test_departed_replica_is_forgotten():
+    router, replicas = make_router(2)
+    first = router.choose(replicas, SHARED)
+    router.on_replica_actor_died(first.replica_id)
+    rest = [r for r in replicas if r is not first]
+    assert router.choose(rest, SHARED) is rest[0]
+    assert first.replica_id not in router.policy._affinity.values()
+
+
+def test_snapshot_labels_replicas_and_counts_decisions():
+    router, replicas = make_router(2)
+    replicas[0].routing_stats.update(num_total_blocks=10, prefix_hashes=["ab"])
+    router.choose(replicas, SHARED)
+    snap = router.snapshot()
+    assert [r["replica"] for r in snap["replicas"]] == ["r0", "r1"]
+    assert snap["replicas"][0]["num_prefixes"] == 1 and "prefix_hashes" not in snap["replicas"][0]
+    assert sum(snap["decisions"].values()) == 1
+
+
+def test_bad_knobs_name_the_field():
+    with pytest.raises(ValueError, match="imbalance_factor"):
+        make_router(2, imbalance_factor=0.5)
+    with pytest.raises(ValueError, match="kv_weight"):
+        make_router(2, kv_weight=-1)
