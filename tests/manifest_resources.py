@@ -1,14 +1,14 @@
 """What a pagedserve Serve app asks Ray for, what a cluster's nodes offer, and whether the one fits the other.
 
 The demand mirrors the code that makes the requests:
-- the ingress deployment (`serve_app.PagedServeIngress`): its `ray_actor_options` per replica, or the
-  Serve config's `deployments` override;
-- one engine actor per data-parallel rank (`engine_actor.start_engine_actors` /
-  `placement.plan_engine_placement`): `num_cpus_per_engine` CPUs, plus 1 GPU when the engine runs on
-  CUDA with TP = PP = 1 (the actor runs the model itself);
-- with the "ray" executor backend (the default when tp * pp > 1), the engine's worker group
-  (`worker_group.WorkerGroup`): one placement group of tp * pp bundles of {CPU: num_cpus_per_worker,
-  GPU: 1 on CUDA}, placed with `placement_group_strategy`.
+- the ingress deployment (`serve_app.PagedServeIngress`): its `ray_actor_options` per replica
+  (`num_ingress_replicas` of them), or the Serve config's `deployments` override;
+- one engine replica per data-parallel rank, or autoscaling's `max_replicas`
+  (`serve_app.engine_deployment_options`): `num_cpus_per_engine` CPUs, plus 1 GPU when the engine
+  runs on CUDA with TP = PP = 1 (the replica runs the model itself);
+- with the "ray" executor backend (the default when tp * pp > 1), the replica's placement group:
+  bundle 0 {CPU: num_cpus_per_engine} for the replica, then tp * pp bundles of
+  {CPU: num_cpus_per_worker, GPU: 1 on CUDA} for the ranks, placed with `placement_group_strategy`.
 
 The fit is a first-fit placement over the nodes a cluster can have at most, honouring each placement
 strategy (STRICT_PACK: one node; STRICT_SPREAD: distinct nodes; PACK/SPREAD: may span nodes). It is a
@@ -44,32 +44,53 @@ class AppDemand:
 
 
 def engine_demand(args: Any, cluster_has_gpu: bool) -> EngineDemand:
-    """One engine's reservations, from validated `ServeArgs`."""
+    """One engine replica's reservations, from validated `ServeArgs`: with a worker group (TP/PP > 1,
+    "ray" backend) one placement group whose bundle 0 holds the replica and the rest one rank each;
+    else the replica's own CPUs plus 1 GPU when it runs the model on CUDA."""
     gpu = args.device == "cuda" or (args.device == "auto" and cluster_has_gpu)
     world = args.tensor_parallel_size * args.pipeline_parallel_size
+    if args.executor_backend == "ray" and world > 1:
+        rank = {"CPU": float(args.num_cpus_per_worker), "GPU": 1.0 if gpu else 0.0}
+        bundles = [{"CPU": float(args.num_cpus_per_engine), "GPU": 0.0}] + [dict(rank) for _ in range(world)]
+        return EngineDemand(actor={}, bundles=bundles, strategy=args.placement_group_strategy)
     actor = {"CPU": float(args.num_cpus_per_engine), "GPU": 1.0 if gpu and world == 1 else 0.0}
-    bundles = []
-    if args.executor_backend == "ray":
-        bundles = [{"CPU": float(args.num_cpus_per_worker), "GPU": 1.0 if gpu else 0.0} for _ in range(world)]
-    return EngineDemand(actor=actor, bundles=bundles, strategy=args.placement_group_strategy)
+    return EngineDemand(actor=actor)
 
 
-def ingress_demand(app: dict, default_options: dict, default_replicas: int) -> list[dict[str, float]]:
+def _override(app: dict, names: tuple[str, ...]) -> dict:
+    return next((d for d in app.get("deployments") or [] if d.get("name") in names), {})
+
+
+def _replicas(deployment: dict, default: int) -> int:
+    """The most replicas a `deployments:` entry can run: num_replicas, or autoscaling's max_replicas."""
+    if deployment.get("num_replicas") == "auto" or "autoscaling_config" in deployment:
+        return int((deployment.get("autoscaling_config") or {}).get("max_replicas", 1))
+    return int(deployment.get("num_replicas", default))
+
+
+def ingress_demand(app: dict, default_options: dict, default_replicas: int, app_name: str = "pagedserve"
+                   ) -> list[dict[str, float]]:
     """The ingress replicas' reservations, with a `deployments:` override from the Serve config applied."""
-    options, replicas = dict(default_options), default_replicas
-    for deployment in app.get("deployments") or []:
-        if deployment.get("name") == "PagedServeIngress":
-            options.update(deployment.get("ray_actor_options") or {})
-            replicas = deployment.get("num_replicas", replicas)
-            if replicas == "auto" or "autoscaling_config" in deployment:
-                replicas = (deployment.get("autoscaling_config") or {}).get("max_replicas", 1)
+    deployment = _override(app, (f"{app_name}-ingress", "PagedServeIngress"))
+    options = {**default_options, **(deployment.get("ray_actor_options") or {})}
+    replicas = _replicas(deployment, default_replicas)
     one = {"CPU": float(options.get("num_cpus", 1)), "GPU": float(options.get("num_gpus", 0))}
-    return [dict(one) for _ in range(int(replicas))]
+    return [dict(one) for _ in range(replicas)]
+
+
+def engine_replicas(args: Any, app: dict) -> int:
+    """The most engine replicas: the DP size, autoscaling's max_replicas, or a `deployments:` override."""
+    default = args.data_parallel_size
+    if args.autoscaling:
+        low = args.min_replicas if args.min_replicas is not None else 1
+        default = args.max_replicas if args.max_replicas is not None else max(low, args.data_parallel_size)
+    return _replicas(_override(app, (f"{args.app_name}-engine",)), default)
 
 
 def app_demand(args: Any, app: dict, ingress_options: dict, cluster_has_gpu: bool) -> AppDemand:
-    engines = [engine_demand(args, cluster_has_gpu) for _ in range(args.data_parallel_size)]
-    return AppDemand(engines=engines, ingress=ingress_demand(app, ingress_options, 1))
+    engines = [engine_demand(args, cluster_has_gpu) for _ in range(engine_replicas(args, app))]
+    return AppDemand(engines=engines, ingress=ingress_demand(app, ingress_options, args.num_ingress_replicas,
+                                                             args.app_name))
 
 
 # --------------------------------------------------------------------------- what nodes offer
@@ -192,9 +213,9 @@ def check_fit(demand: AppDemand, nodes: list[Node], where: str) -> None:
     for index, engine in enumerate(demand.engines):
         if engine.bundles and not _place_group(nodes, engine.bundles, engine.strategy):
             raise ManifestError(
-                f"{where}: engine {index}'s worker group ({len(engine.bundles)} bundles of {engine.bundles[0]}, "
+                f"{where}: engine {index}'s worker group ({len(engine.bundles)} bundles of {engine.bundles[-1]}, "
                 f"{engine.strategy}) does not fit the nodes ({_describe(nodes)} left)")
-        if not _place_group(nodes, [engine.actor], "PACK"):
+        if engine.actor and not _place_group(nodes, [engine.actor], "PACK"):
             raise ManifestError(f"{where}: engine actor {index} needs {engine.actor}, no node has it "
                                 f"({_describe(nodes)} left; the cluster offers {offered} at most)")
     for replica in demand.ingress:

@@ -291,24 +291,26 @@ def test_serve_config_broken_copies_fail(tiny_llama):
 
 
 @pytest.mark.parametrize("tp, device, gpus", [(1, "cpu", 0), (1, "cuda", 8), (2, "cuda", 8), (1, "auto", 0)])
-def test_engine_demand_matches_what_the_engine_actor_reserves(serve_app, tiny_llama, tp, device, gpus):
-    """The mirror in manifest_resources agrees with the engine actor's own Ray options."""
-    engine_actor = pytest.importorskip("pagedserve.cluster.engine_actor")
-    placement = pytest.importorskip("pagedserve.cluster.placement")
-    from pagedserve.cluster.worker_group import WorkerGroupOptions
-
-    if not (hasattr(engine_actor, "engine_actor_options") and hasattr(WorkerGroupOptions, "bundle")):
-        pytest.skip("the engine actor's placement helpers are not available in this version")
+def test_engine_demand_matches_what_the_engine_deployment_reserves(serve_app, tiny_llama, tp, device, gpus):
+    """The mirror in manifest_resources agrees with the engine deployment's own Serve options."""
     args = serve_app.ServeArgs(model=str(tiny_llama), tensor_parallel_size=tp, device=device, num_cpus_per_engine=3)
-    options, _ = engine_actor.engine_actor_options(args.engine_kwargs(), 3, {"CPU": 64, "GPU": gpus})
+    options = serve_app.engine_deployment_options(args, {"CPU": 64, "GPU": gpus})
     demand = engine_demand(args, cluster_has_gpu=gpus > 0)
-    assert demand.actor == {"CPU": options["num_cpus"], "GPU": options.get("num_gpus", 0)}
-    if tp > 1:  # the worker group's bundles, as WorkerGroup builds them
-        bundle = WorkerGroupOptions(num_cpus_per_worker=args.num_cpus_per_worker,
-                                    use_gpu=placement.uses_gpu(device, {"GPU": gpus})).bundle()
-        assert demand.bundles == [{"CPU": bundle["CPU"], "GPU": bundle.get("GPU", 0.0)}] * tp
+    if tp > 1:  # the replica's placement group: bundle 0 for the replica, then one per rank
+        bundles = [{"CPU": b["CPU"], "GPU": b.get("GPU", 0.0)} for b in options["placement_group_bundles"]]
+        assert demand.bundles == bundles and len(bundles) == tp + 1
+        assert demand.strategy == options["placement_group_strategy"]
     else:
+        actor = options["ray_actor_options"]
+        assert demand.actor == {"CPU": actor["num_cpus"], "GPU": actor.get("num_gpus", 0)}
         assert demand.bundles == []
+
+
+def test_autoscaled_engines_count_at_max_replicas(serve_app, tiny_llama):
+    args = serve_app.ServeArgs(model=str(tiny_llama), min_replicas=1, max_replicas=3, num_ingress_replicas=2)
+    demand = app_demand(args, {}, serve_app.PagedServeIngress.ray_actor_options, cluster_has_gpu=False)
+    assert len(demand.engines) == 3 and len(demand.ingress) == 2
+    assert serve_app.engine_deployment_options(args)["autoscaling_config"]["max_replicas"] == 3
 
 
 def test_expected_images_name_the_project_versions():
