@@ -165,3 +165,61 @@ def test_equal_specs_compile_once(llm):
     before = manager.num_compiles
     llm.generate(_prompts(9, 3), SamplingParams(structured_outputs=spec, n=2, temperature=1.0), use_tqdm=False)
     assert manager.num_compiles == before + 1
+
+
+def test_abort_while_the_grammar_compiles(llm, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    real = manager_module.compile_spec
+
+    def compile_spec(compiler, params):
+        if params.regex == "held":
+            release.wait(10)
+        return real(compiler, params)
+
+    monkeypatch.setattr(manager_module, "compile_spec", compile_spec)
+    engine = llm.llm_engine
+    engine.add_request("held-1", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(structured_outputs={"regex": "held"}))
+    engine.add_request("plain-1", {"prompt_token_ids": [5, 6, 8]}, SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = {}
+    for _ in range(20):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if "plain-1" in finished:
+            break
+    # The plain request ran to the end while the other one waited for its grammar.
+    assert len(finished["plain-1"].outputs[0].token_ids) == 3 and "held-1" not in finished
+    assert engine.get_stats().num_waiting == 1
+    engine.abort_request("held-1")
+    release.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(llm)
+
+
+def test_bitmask_only_for_rows_that_sample(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128,
+              max_num_batched_tokens=4)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        real = executor.execute_model
+        seen: list[tuple[dict[str, int], list[str], int]] = []
+
+        def execute_model(so):
+            rows = 0 if so.grammar_bitmask is None else so.grammar_bitmask.shape[0]
+            seen.append((dict(so.num_scheduled_tokens), list(so.structured_output_req_ids), rows))
+            return real(so)
+
+        executor.execute_model = execute_model
+        out = llm.generate({"prompt_token_ids": list(range(10, 20))}, constrained("regex", max_tokens=6),
+                           use_tqdm=False)[0]
+        assert_valid_outputs("regex", out, min_stopped=0)
+        steps = [s for s in seen if s[0]]
+        # 10 prompt tokens in chunks of 4: two partial prefills with no mask, then one row per step.
+        assert [s[1] for s in steps[:2]] == [[], []] and [s[2] for s in steps[:2]] == [0, 0]
+        assert all(s[1] == list(s[0]) and s[2] == 1 for s in steps[2:])
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()

@@ -81,6 +81,8 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pagedserve-grammar")
         self._compiler: Future[xgr.GrammarCompiler] | None = None
         self._cache: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
+        # Fills many rows' bitmasks at once on its own threads (the step loop waits for it).
+        self._batch_filler = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, os.cpu_count() or 1)))
         self.num_compiles = 0
         self.num_cache_hits = 0
 
@@ -134,9 +136,12 @@ class StructuredOutputManager:
     def fill_bitmask(self, requests: list[StructuredOutputRequest]) -> torch.Tensor:
         """[len(requests), ceil(vocab / 32)] int32: the tokens each matcher allows next."""
         bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
-        for row, request in enumerate(requests):
-            assert request.matcher is not None
-            request.matcher.fill_next_token_bitmask(bitmask, row)
+        matchers = [r.matcher for r in requests]
+        assert all(m is not None for m in matchers), "fill_bitmask: a request's grammar is not ready"
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            self._batch_filler.batch_fill_next_token_bitmask(matchers, bitmask)
         return bitmask
 
     def clear_cache(self) -> None:
