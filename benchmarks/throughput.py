@@ -3,6 +3,7 @@ size), same random-weight model, dtype and workload, measured in one run.
 
     python benchmarks/throughput.py                      # small + medium models, mixed workload, shared-prefix
     python benchmarks/throughput.py --sizes small --num-prompts 64
+    python benchmarks/throughput.py --model path/to/model.gguf --num-prompts 16   # a real model (or HF folder)
 
 Workloads are seeded: prompts of 32-512 random tokens, 32-256 output tokens each, ignore_eos (every
 request produces exactly its output length in both engines). The shared-prefix workload compares
@@ -135,12 +136,22 @@ def run_pagedserve(name: str, path: Path, workload: list[Request], dtype: str, *
     return result
 
 
+def load_hf_model(path: Path, dtype: torch.dtype):
+    """The HF model for a safetensors folder or a GGUF file (transformers dequantizes it, as we do)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.engine.models.gguf_loader import find_gguf_file
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
 def run_hf(path: Path, workload: list[Request], dtype: torch.dtype, batch_size: int, name: str) -> Result:
     """Static batching as in vLLM's HF baseline: left-padded batches in arrival order, each generating
     the longest output length in its batch; only the requested tokens count as output."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    model = load_hf_model(path, dtype)
     pad = 0
     start = time.perf_counter()
     for i in range(0, len(workload), batch_size):
@@ -174,9 +185,25 @@ def best_hf_batch_size(path: Path, workload: list[Request], dtype: torch.dtype, 
     return max(scores, key=scores.get)
 
 
+def models_to_run(args: argparse.Namespace, tmp: Path):
+    """(label, path, vocab size) for --model, else for each random-weight --sizes model."""
+    if args.model:
+        from pagedserve.engine.config import EngineConfig
+
+        hf_config = EngineConfig(model=args.model).resolve().hf_config
+        print(f"[{Path(args.model).name}] {hf_config.architectures[0]}, {hf_config.num_hidden_layers} layers, "
+              f"hidden {hf_config.hidden_size}, vocab {hf_config.vocab_size}")
+        yield Path(args.model).name, Path(args.model), hf_config.vocab_size
+        return
+    for size in args.sizes.split(","):
+        yield size, make_model(size, tmp), MODEL_SHAPES[size]["vocab_size"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="small,medium")
+    parser.add_argument("--model", default=None,
+                        help="benchmark this model (HF folder or GGUF file) instead of the random-weight --sizes")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
@@ -197,9 +224,7 @@ def main() -> None:
         engine_kwargs["max_num_seqs"] = args.max_num_seqs
     report: dict = {"args": vars(args), "torch_threads": torch.get_num_threads(), "results": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes.split(","):
-            path = make_model(size, Path(tmp))
-            vocab = MODEL_SHAPES[size]["vocab_size"]
+        for size, path, vocab in models_to_run(args, Path(tmp)):
             workload = mixed_workload(args.num_prompts, args.seed, vocab)
             print(f"[{size}] mixed workload: {len(workload)} requests, "
                   f"{sum(len(r.prompt_token_ids) for r in workload)} prompt tokens, "
