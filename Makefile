@@ -27,7 +27,7 @@ serve: install
 
 # Offline generation on the default model.
 generate: install
-	$(VENV)/bin/pagedserve generate --prompt 'def fibonacci(n):' $(ARGS)
+	$(VENV)/bin/pagedserve generate --chat --prompt 'Write a Python function that returns the n-th Fibonacci number.' $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

@@ -132,6 +132,19 @@ def test_tensor_parallel_on_ray_matches_hf(gguf_path, hf, monkeypatch):
         ray.shutdown()
 
 
+def test_serve_args_take_a_gguf_file(gguf_path, tmp_path):
+    """A .gguf path is a model for `pagedserve serve`; the packaged one is served as pagedserve-default."""
+    from pydantic import ValidationError
+
+    from pagedserve.cluster.serving.settings import ServeArgs
+
+    assert ServeArgs(model=str(gguf_path), api_key=None).model_name == "pagedserve-default"
+    other = tmp_path / "notes.txt"
+    other.write_text("x")
+    with pytest.raises(ValidationError, match="neither a local directory nor a .gguf file"):
+        ServeArgs(model=str(other), api_key=None)
+
+
 def test_without_the_package_the_bundled_model_is_served_and_said_once(monkeypatch, caplog):
     def missing(name):
         raise metadata.PackageNotFoundError(name)
