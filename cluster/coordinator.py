@@ -88,6 +88,7 @@ class DPCoordinator:
         kv_weight: float = 4.0,
         stats_timeout_s: float = 5.0,
         max_affinity_entries: int = 65536,
+        imbalance_slack: float = 2.0,
     ) -> None:
         if not engines:
             raise ValueError("engines: need at least one engine actor")
@@ -104,7 +105,7 @@ class DPCoordinator:
         self.stats_timeout_s = stats_timeout_s
         self.max_affinity_entries = max_affinity_entries
         self.policy: RoutingPolicy[int] = RoutingPolicy(
-            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries), seed=seed)
+            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack), seed=seed)
         self._requests: dict[str, int] = {}  # request_id -> engine index, while in flight
         self._want_polling = False
         self._poller: asyncio.Task | None = None

@@ -1,10 +1,12 @@
 """The data-parallel routing policy, shared by the Serve request router and the in-process coordinator.
 
-Power of two choices by load, with prefix affinity. A candidate's load is its requests in flight plus
-its engine's waiting + running counts plus `kv_weight * kv_cache_usage`. Affinity keys are the
+Power of two choices by load, with prefix affinity. A candidate's load is its requests (the larger of
+those in flight from this router and its engine's waiting + running) plus `kv_weight * kv_cache_usage`. Affinity keys are the
 chained block hashes (`engine.core.block_pool.hash_block_tokens`) of the prompt's first
 `affinity_blocks` full blocks; the longest known prefix wins, and its holder is used unless its load
-exceeds `imbalance_factor * (the two-choice winner's load) + 1`.
+exceeds `imbalance_factor * (the two-choice winner's load) + imbalance_slack`. The slack (default 2
+requests) keeps affinity when the other engine is idle and the holder's stats, which lag, still show
+the request that just finished there.
 
 The policy is generic over candidate keys (an engine index, a Serve replica id): callers give the
 candidates, a load function and a lookup hash -> holder, and get back the choice and why it was made.
@@ -31,10 +33,15 @@ DECISIONS = (SINGLE, AFFINE, FALLBACK, BALANCED)
 
 
 def engine_load(in_flight: float, stats: Mapping | None, kv_weight: float) -> float:
-    """The load figure both routers compare: in flight + waiting + running + kv_weight * KV usage."""
+    """The load figure both routers compare: requests on the engine + kv_weight * KV usage.
+
+    Requests on the engine are the larger of what this router has in flight there (exact, live) and
+    the engine's own waiting + running (everyone's requests, as of its last stats): they count the
+    same requests, so adding them would count each twice, and stale stats of a request that just
+    finished would keep an idle engine looking busy."""
     stats = stats or {}
-    return (in_flight + stats.get("num_waiting", 0) + stats.get("num_running", 0)
-            + kv_weight * stats.get("kv_cache_usage", 0.0))
+    engine_count = stats.get("num_waiting", 0) + stats.get("num_running", 0)
+    return max(in_flight, engine_count) + kv_weight * stats.get("kv_cache_usage", 0.0)
 
 
 def prefix_hashes(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[BlockHash]:
@@ -56,8 +63,11 @@ class RoutingParams:
     imbalance_factor: float = 2.0
     kv_weight: float = 4.0
     max_affinity_entries: int = 65536
+    imbalance_slack: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.imbalance_slack < 0:
+            raise ValueError(f"imbalance_slack: must be >= 0, got {self.imbalance_slack}")
         if self.affinity_blocks < 0:
             raise ValueError(f"affinity_blocks: must be >= 0, got {self.affinity_blocks}")
         if self.imbalance_factor < 1.0:
@@ -100,7 +110,7 @@ class RoutingPolicy(Generic[K]):
         affine = self._affine(candidates, hashes, holder)
         if affine is None:
             return self._count(choice, BALANCED)
-        if load(affine) <= self.params.imbalance_factor * load(choice) + 1:
+        if load(affine) <= self.params.imbalance_factor * load(choice) + self.params.imbalance_slack:
             return self._count(affine, AFFINE)
         return self._count(choice, FALLBACK)
 

@@ -99,7 +99,8 @@ def engine_deployment_options(args: ServeArgs, cluster_resources: dict[str, floa
         "request_router_config": {
             "request_router_class": ROUTER_CLASS,
             "request_router_kwargs": {"affinity_blocks": args.affinity_blocks,
-                                      "imbalance_factor": args.imbalance_factor, "kv_weight": args.kv_weight},
+                                      "imbalance_factor": args.imbalance_factor,
+                                      "imbalance_slack": args.imbalance_slack, "kv_weight": args.kv_weight},
             "request_routing_stats_period_s": args.routing_stats_period_s,
             "request_routing_stats_timeout_s": max(5.0, 5 * args.routing_stats_period_s),
         },

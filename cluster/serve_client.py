@@ -9,8 +9,11 @@ replica ever seen are kept and summed.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -26,6 +29,25 @@ logger = logging.getLogger(__name__)
 
 # Figures of replicas that went away, kept for monotonic counters (bounded: oldest forgotten first).
 MAX_REMEMBERED_REPLICAS = 1024
+
+
+@contextlib.contextmanager
+def _own_internal_request_id() -> Iterator[None]:
+    """Give the handle call made inside its own internal request id.
+
+    Serve's router matches a routing decision to its pending request by the internal request id, which
+    every handle call made while serving one HTTP request inherits from it; two concurrent calls of one
+    HTTP request (the prompts of a batch, merged) would share it, and one of them would never be
+    assigned. (This reaches into `ray.serve.context`, which has no public setter for it.)"""
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -50,7 +72,9 @@ class ServeEngineClient:
         """Stream DELTA outputs. Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
         (the replica died while serving this request). Closing the iteration early cancels the handle's
         response, which aborts the request in its engine."""
-        response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params, priority)
+        with _own_internal_request_id():
+            response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params,
+                                                          priority)
         restore = PromptRestorer()
         finished = False
         try:

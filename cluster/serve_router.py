@@ -53,9 +53,10 @@ class PrefixAffinityRouter(RequestRouter):
         kv_weight: float = 4.0,
         max_affinity_entries: int = 65536,
         seed: int | None = None,
+        imbalance_slack: float = 2.0,
     ) -> None:
         self.policy: RoutingPolicy[ReplicaID] = RoutingPolicy(
-            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries), seed=seed)
+            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack), seed=seed)
         self.in_flight: dict[ReplicaID, int] = {}
         self.num_routed: dict[ReplicaID, int] = {}
         self._held: dict[ReplicaID, tuple[int, frozenset[str]]] = {}  # replica -> (id(stats list), hashes)

@@ -62,10 +62,10 @@ def test_imbalance_overrides_affinity():
     coord, _ = make_coordinator(2, imbalance_factor=2.0)
     p = make_prompt(3)
     coord._remember_prefix(p, 0)
-    coord.engines[0].stats = engine_stats(0, running=3)  # 3 <= 2 * 1 + 1: affinity holds
+    coord.engines[0].stats = engine_stats(0, running=4)  # 4 <= 2 * 1 + 2 (slack): affinity holds
     coord.engines[1].stats = engine_stats(1, running=1)
     assert coord.choose_engine(p) == 0
-    coord.engines[0].stats = engine_stats(0, running=4)  # 4 > 3: much busier, go to the other engine
+    coord.engines[0].stats = engine_stats(0, running=5)  # 5 > 4: much busier, go to the other engine
     assert coord.choose_engine(p) == 1
 
 

@@ -60,10 +60,10 @@ def test_replica_reported_prefix_wins_without_local_memory():
 def test_overloaded_favourite_is_passed_over():
     router, replicas = make_router(2, imbalance_factor=2.0)
     replicas[0].routing_stats["prefix_hashes"] = [short_hash(h) for h in prefix_hashes(SHARED, BLOCK, 8)]
-    replicas[0].routing_stats.update(num_running=10, num_waiting=5)  # load 15 > 2 * 0 + 1
+    replicas[0].routing_stats.update(num_running=10, num_waiting=5)  # load 15 > 2 * 0 + 2
     assert router.choose(replicas, SHARED + [9]) is replicas[1]
     assert router.policy.decisions["prefix_fallback"] == 1
-    replicas[0].routing_stats.update(num_running=1, num_waiting=0)  # load 1 <= 2 * 0 + 1: affinity again
+    replicas[0].routing_stats.update(num_running=2, num_waiting=0)  # load 2 <= 2 * 0 + 2: affinity again
     assert router.choose(replicas, SHARED + [9]) is replicas[0]
 
 
@@ -128,3 +128,16 @@ def test_bad_knobs_name_the_field():
         make_router(2, imbalance_factor=0.5)
     with pytest.raises(ValueError, match="kv_weight"):
         make_router(2, kv_weight=-1)
+
+
+def test_load_counts_requests_once():
+    """In-flight requests and the engine's running/waiting are the same requests: the larger counts."""
+    from pagedserve.cluster.routing_policy import engine_load
+
+    assert engine_load(3, {"num_running": 2, "num_waiting": 0}, 4.0) == 3
+    assert engine_load(0, {"num_running": 1, "num_waiting": 2, "kv_cache_usage": 0.5}, 4.0) == 5
+    router, replicas = make_router(2)
+    replicas[0].routing_stats["prefix_hashes"] = [short_hash(h) for h in prefix_hashes(SHARED, BLOCK, 8)]
+    router.on_request_routed(None, replicas[0].replica_id, None)
+    replicas[0].routing_stats["num_running"] = 1  # that same request, as the engine reports it
+    assert router.choose(replicas, SHARED + [1]) is replicas[0]  # 1 <= 2 * 0 + 2: still affine

@@ -149,6 +149,14 @@ def test_two_engines_two_ingresses_match_hf(http, hf):
     assert len(metric_samples(text, "pagedserve:engine_kv_cache_total_blocks")) == 2
 
 
+def test_batch_of_prompts_in_one_request(http, hf):
+    """The prompts of one HTTP request go out as concurrent handle calls, each routed on its own."""
+    response = complete(http, PROMPTS[:3], max_tokens=6)
+    assert response.status_code == 200, response.text
+    texts = {c["index"]: c["text"] for c in response.json()["choices"]}
+    assert texts == {i: hf_text(hf, PROMPTS[i], 6) for i in range(3)}
+
+
 def test_shared_prefix_lands_on_one_replica(http):
     text = wait_all_blocks_free(http, replicas=2)
     before = metric_samples(text, "pagedserve:engine_prefix_cache_hits")
@@ -162,12 +170,23 @@ def test_shared_prefix_lands_on_one_replica(http):
     wait_prefixes_known(http, reported, 8)
     for tail in range(6):
         assert complete(http, shared + [tail + 7, 3, 2, 1]).status_code == 200
-    after = metric_samples(wait_all_blocks_free(http), "pagedserve:engine_prefix_cache_hits")
-    gained = sorted(after[k] - before.get(k, 0.0) for k in after)
-    # Every follower hit the shared blocks on the replica that holds them; the other replica gained none.
-    assert gained[-1] >= 6 * 8 * BLOCK - BLOCK and gained[0] == 0
-    decisions = metric_samples(http.get("/metrics").text, "pagedserve:routing_decisions_total")
-    assert any("prefix_affine" in labels and value > 0 for labels, value in decisions.items())
+    # Routing stats lag behind the engines: poll until the hits show (or the deadline says they never will).
+    expected = 6 * 8 * BLOCK  # every follower hit the 8 shared blocks on the replica that holds them
+    end = time.monotonic() + 60
+    while True:
+        after = metric_samples(wait_all_blocks_free(http), "pagedserve:engine_prefix_cache_hits")
+        gained = sorted(after[k] - before.get(k, 0.0) for k in after)
+        if gained[-1] >= expected or time.monotonic() > end:
+            break
+        time.sleep(0.3)
+    assert gained[-1] >= expected and gained[0] == 0, gained  # ... and the other replica gained none
+    affine: dict[str, float] = {}  # per ingress replica: each router counts its own decisions
+    while len(affine) < 2:
+        response = http.get("/metrics")
+        decisions = metric_samples(response.text, "pagedserve:routing_decisions_total")
+        affine[response.headers["x-pagedserve-ingress"]] = sum(
+            value for labels, value in decisions.items() if "prefix_affine" in labels)
+    assert sum(affine.values()) >= 6
 
 
 def wait_prefixes_known(http: httpx.Client, before: dict[str, float], more: int, deadline_s: float = 60.0) -> None:
@@ -194,11 +213,12 @@ def test_client_disconnect_aborts_in_engine(http):
 # --------------------------------------------------------------------------- faults (these kill replicas)
 
 
-def _replica_actors(kind: str) -> list:
+def _replica_actors(kind: str, replica_id: str = "") -> list:
+    """Handles of a deployment's replica actors (named `SERVE_REPLICA::<app>#<deployment>#<replica id>`)."""
     import ray
 
     names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if f"#{APP}-{kind}#" in a["name"]]
+             if f"#{APP}-{kind}#" in a["name"] and a["name"].endswith(replica_id)]
     return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names]
 
 
@@ -229,13 +249,25 @@ def _wait_running(app: str, deployment: str, replicas: int, deadline_s: float = 
     raise AssertionError(f"{deployment}: not {replicas} running replicas: {serve.status().applications[app]}")
 
 
+def _busy_engine(http: httpx.Client, deadline_s: float = 60.0) -> str:
+    """The replica id of an engine that reports running requests."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        running = metric_samples(http.get("/metrics").text, "pagedserve:engine_num_requests_running")
+        busy = [labels for labels, value in running.items() if value > 0]
+        if busy:
+            return re.search(r'engine_index="([^"]+)"', busy[0]).group(1)
+        time.sleep(0.2)
+    raise AssertionError("no engine replica reports running requests")
+
+
 def test_engine_replica_killed_fails_only_its_requests(http):
     import ray
 
     results: list = []
-    threads = _load(http, 8, 200, results)
-    time.sleep(2.0)
-    victim = _replica_actors("engine")[0]
+    threads = _load(http, 8, 1000, results)
+    victim_id = _busy_engine(http)
+    [victim] = _replica_actors("engine", victim_id)
     ray.kill(victim, no_restart=True)
     for thread in threads:
         thread.join(TIMEOUT)

@@ -55,6 +55,7 @@ class ServeArgs(EngineConfig):
     routing_stats_period_s: float = Field(default=1.0, gt=0)
     affinity_blocks: int = Field(default=4, ge=0)
     imbalance_factor: float = Field(default=2.0, ge=1.0)
+    imbalance_slack: float = Field(default=2.0, ge=0.0)
     kv_weight: float = Field(default=4.0, ge=0.0)
 
     @model_validator(mode="after")
