@@ -294,3 +294,38 @@ def test_ingress_replica_killed_other_keeps_serving(http):
     for _ in range(10):  # new requests are served (by the survivor, then by its replacement too)
         assert complete(http, PROMPTS[1], max_tokens=2).status_code == 200
     _wait_running(APP, f"{APP}-ingress", 2)
+
+
+# --------------------------------------------------------------------------- TP inside an engine replica
+
+
+def test_tp_ranks_live_in_the_replicas_placement_group(server, hf, tiny_model_factory):
+    """An engine replica with TP = 2: its rank actors go into the replica's own placement group (bundle 0
+    the replica, then one per rank), so no other placement group exists; output still equals HF's."""
+    import ray
+    from ray import serve
+    from ray.util.placement_group import placement_group_table
+
+    from pagedserve.cluster.serve_app import build_app
+
+    model = tiny_model_factory("llama", max_position_embeddings=2048)
+    args = ServeArgs(model=str(model), dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK,
+                     served_model_name=MODEL, api_key=None, max_num_seqs=8, tensor_parallel_size=2,
+                     num_cpus_per_engine=0.25, num_cpus_per_worker=0.25, app_name="tp", routing_stats_period_s=0.2)
+    serve.run(build_app(args.to_dict()), name="tp", route_prefix="/tp", blocking=False)
+    try:
+        deadline = time.monotonic() + 240
+        while serve.status().applications["tp"].status != "RUNNING":
+            assert time.monotonic() < deadline and serve.status().applications["tp"].status != "DEPLOY_FAILED", \
+                serve.status().applications["tp"]
+            time.sleep(0.5)
+        with httpx.Client(base_url=f"{server}/tp", timeout=TIMEOUT) as tp_http:
+            response = complete(tp_http, PROMPTS[2], max_tokens=6)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == hf_text(hf, PROMPTS[2], 6)
+            created = [pg for pg in placement_group_table().values() if pg["state"] == "CREATED"]
+            assert len(created) == 1 and len(created[0]["bundles"]) == 3, created
+            wait_all_blocks_free(tp_http, replicas=1)
+    finally:
+        serve.delete("tp")
+    assert ray.is_initialized()
