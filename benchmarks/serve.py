@@ -11,6 +11,13 @@ chunk arrival times, reported as mean / p50 / p90 / p99 in a table and a JSON fi
   python benchmarks/serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4
   python benchmarks/serve.py --start-server --model /path/to/model --num-prompts 100 --max-concurrency 16 \\
       --request-rate 2,8,inf --result-json serve.json --plot serve.png
+
+Scale-out (with --start-server): `--data-parallel-size 2 --num-ingress-replicas 1,2` runs the sweep
+once per ingress count against the same engine replicas (only the ingress deployment is redeployed)
+and reports, for each, the rate where TTFT p99 leaves its floor (first rate above
+`--knee-factor` x the lowest rate's p99). `--routing-overhead N` then times N one-token requests
+straight to the engines through the Serve handle (request router + replica) and through the in-process
+`DPCoordinator` over an engine actor of the same settings, and reports the medians and their difference.
 """
 
 from __future__ import annotations
@@ -217,8 +224,58 @@ def start_local_server(model: str, port: int, extra: dict) -> None:
     from pagedserve.cluster.serve_app import start_server
 
     args = ServeArgs(model=model, port=port, **extra)
-    print(f"starting a server for {args.model} on port {port} ...", file=sys.stderr, flush=True)
+    print(f"starting a server for {args.model} on port {port} with {args.num_ingress_replicas} ingress "
+          f"replica(s) ...", file=sys.stderr, flush=True)
     start_server(args)
+
+
+def ttft_knee(results: list[dict], factor: float) -> float | None:
+    """The first request rate whose TTFT p99 exceeds `factor` x the lowest rate's (the floor); None if none."""
+    ordered = sorted(results, key=lambda r: r["request_rate"])
+    floor = ordered[0]["ttft_ms"]["p99"]
+    return next((r["request_rate"] for r in ordered[1:] if r["ttft_ms"]["p99"] > factor * floor), None)
+
+
+def routing_overhead(model: str, extra: dict, n: int) -> dict:
+    """Median latency of a one-token request through the Serve handle (router + engine replica) and through
+    the in-process DPCoordinator over an engine actor with the same settings (same process, same Ray)."""
+    import statistics
+
+    from ray import serve
+
+    from pagedserve.cluster.coordinator import DPCoordinator
+    from pagedserve.cluster.engine_actor import start_engine_actors, wait_engines_ready
+    from pagedserve.cluster.serve_client import ServeEngineClient
+    from pagedserve.cluster.serving.settings import ServeArgs
+
+    args = ServeArgs(model=model, **extra)
+    params = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    prompts = [[(7 * i + k) % 200 + 10 for k in range(32)] for i in range(n)]
+
+    async def timed(client) -> list[float]:
+        times = []
+        for i, prompt in enumerate(prompts):
+            start = time.perf_counter()
+            async for _ in client.generate(f"overhead-{id(client)}-{i}", prompt, params):
+                pass
+            times.append(time.perf_counter() - start)
+        return times
+
+    handle = serve.get_deployment_handle(f"{args.app_name}-engine", args.app_name)
+    serve_times = asyncio.run(timed(ServeEngineClient(handle, args.app_name, f"{args.app_name}-engine")))
+    engines = start_engine_actors(args.engine_kwargs(), 1, args.num_cpus_per_engine)
+    try:
+        wait_engines_ready(engines, timeout_s=300)
+        coordinator = DPCoordinator(engines, block_size=args.block_size)
+        local_times = asyncio.run(timed(coordinator))
+    finally:
+        import ray
+
+        for engine in engines:
+            ray.kill(engine, no_restart=True)
+    serve_ms, local_ms = statistics.median(serve_times) * 1e3, statistics.median(local_times) * 1e3
+    return {"requests": n, "serve_handle_median_ms": serve_ms, "in_process_coordinator_median_ms": local_ms,
+            "serve_overhead_ms": serve_ms - local_ms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,36 +297,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     parser.add_argument("--result-json", default=None)
     parser.add_argument("--plot", default=None, help="PNG of latency against load (over the rates)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas for --start-server")
+    parser.add_argument("--num-cpus-per-engine", type=float, default=1.0, help="for --start-server")
+    parser.add_argument("--num-ingress-replicas", default="1",
+                        help="comma-separated ingress replica counts for --start-server (one sweep each)")
+    parser.add_argument("--knee-factor", type=float, default=2.0,
+                        help="TTFT p99 'leaves its floor' above this multiple of the lowest rate's p99")
+    parser.add_argument("--routing-overhead", type=int, default=0,
+                        help="with --start-server: time this many one-token requests via the Serve handle and "
+                             "via the in-process coordinator")
     ns = parser.parse_args(argv)
 
+    ingress_counts = [int(c) for c in ns.num_ingress_replicas.split(",")] if ns.start_server else [None]
+    extra = {"kv_cache_memory": ns.kv_cache_memory, "block_size": ns.block_size, "api_key": ns.api_key,
+             "data_parallel_size": ns.data_parallel_size, "num_cpus_per_engine": ns.num_cpus_per_engine}
     if ns.start_server:
         from pagedserve.cluster.ray_utils import free_port
 
         port = ns.port or free_port()
-        start_local_server(ns.model, port, {"kv_cache_memory": ns.kv_cache_memory, "block_size": ns.block_size,
-                                            "api_key": ns.api_key})
         ns.base_url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    results, knees, overhead = [], {}, None
     try:
-        model, vocab_ids, max_model_len = vocab_ids_from_server(ns.base_url, headers, ns.timeout)
-        if max_model_len and ns.input_len[1] + ns.output_len[1] > max_model_len:
-            parser.error(f"--input-len + --output-len exceed the server's max_model_len {max_model_len}")
-        workload = make_workload(vocab_ids, ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
-        results = []
-        for rate in ns.request_rate:
-            result = asyncio.run(run_load(ns.base_url, model, workload, rate, ns.max_concurrency, ns.seed, headers,
-                                          ns.timeout))
-            result.update(model=model, input_len=list(ns.input_len), output_len=list(ns.output_len))
-            results.append(result)
-            print(format_table(result), flush=True)
-            print(flush=True)
+        for count in ingress_counts:
+            if count is not None:  # (re)deploys only the ingress when just the count changes
+                start_local_server(ns.model, port, {**extra, "num_ingress_replicas": count})
+            model, vocab_ids, max_model_len = vocab_ids_from_server(ns.base_url, headers, ns.timeout)
+            if max_model_len and ns.input_len[1] + ns.output_len[1] > max_model_len:
+                parser.error(f"--input-len + --output-len exceed the server's max_model_len {max_model_len}")
+            workload = make_workload(vocab_ids, ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
+            sweep = []
+            for rate in ns.request_rate:
+                result = asyncio.run(run_load(ns.base_url, model, workload, rate, ns.max_concurrency, ns.seed,
+                                              headers, ns.timeout))
+                result.update(model=model, input_len=list(ns.input_len), output_len=list(ns.output_len),
+                              num_ingress_replicas=count)
+                sweep.append(result)
+                print(f"ingress replicas: {count}" if count is not None else "", flush=True)
+                print(format_table(result), flush=True)
+                print(flush=True)
+            results += sweep
+            if count is not None and len(sweep) > 1:
+                knees[count] = ttft_knee(sweep, ns.knee_factor)
+                print(f"ingress replicas {count}: TTFT p99 leaves its floor at rate {knees[count]}", flush=True)
+        if ns.start_server and ns.routing_overhead:
+            overhead = routing_overhead(ns.model, extra, ns.routing_overhead)
+            print(f"routing overhead: {json.dumps(overhead)}", flush=True)
     finally:
         if ns.start_server:
             from ray import serve
 
             serve.shutdown()
     if ns.result_json:
-        Path(ns.result_json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=2))
+        body: object = results if len(results) > 1 else results[0]
+        if knees or overhead:
+            body = {"sweeps": results, "ttft_knee_rate": knees, "routing_overhead": overhead}
+        Path(ns.result_json).write_text(json.dumps(body, indent=2))
     if ns.plot:
         plot(results, ns.plot)
     return 0 if all(r["failed"] == 0 for r in results) else 1
