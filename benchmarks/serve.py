@@ -231,7 +231,7 @@ def start_local_server(model: str, port: int, extra: dict) -> None:
 
 def ttft_knee(results: list[dict], factor: float) -> float | None:
     """The first request rate whose TTFT p99 exceeds `factor` x the lowest rate's (the floor); None if none."""
-    ordered = sorted(results, key=lambda r: r["request_rate"])
+    ordered = sorted(results, key=lambda r: float(r["request_rate"]))
     floor = ordered[0]["ttft_ms"]["p99"]
     return next((r["request_rate"] for r in ordered[1:] if r["ttft_ms"]["p99"] > factor * floor), None)
 
