@@ -221,6 +221,42 @@ def test_cli_flags_map_onto_serve_args(tiny_llama):
     assert "host" not in args.engine_kwargs()
 
 
+def test_cli_scale_out_flags_build_the_serve_deployments(tiny_llama):
+    from pagedserve.cluster.serve_app import ROUTER_CLASS, build_app, engine_deployment_options
+
+    ns = build_parser().parse_args([
+        "serve", str(tiny_llama), "-dp", "2", "--min-replicas", "1", "--max-replicas", "3",
+        "--target-ongoing-requests", "8", "--upscale-delay-s", "2", "--downscale-delay-s", "30",
+        "--num-ingress-replicas", "2", "--graceful-shutdown-timeout-s", "45",
+    ])
+    args = serve_args_from(ns)
+    options = engine_deployment_options(args)
+    assert options["name"] == "pagedserve-engine" and "num_replicas" not in options
+    assert options["autoscaling_config"] == {"min_replicas": 1, "initial_replicas": 2, "max_replicas": 3,
+                                             "target_ongoing_requests": 8.0, "upscale_delay_s": 2.0,
+                                             "downscale_delay_s": 30.0}
+    assert options["graceful_shutdown_timeout_s"] == 45.0
+    assert options["request_router_config"]["request_router_class"] == ROUTER_CLASS
+    fixed = engine_deployment_options(serve_args_from(build_parser().parse_args(["serve", str(tiny_llama), "-dp", "3"])))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    app = build_app(args.to_dict())
+    ingress = app._bound_deployment
+    assert ingress.name == "pagedserve-ingress" and ingress._deployment_config.num_replicas == 2
+    with pytest.raises(SystemExit):
+        serve_args_from(build_parser().parse_args(["serve", str(tiny_llama), "--min-replicas", "3",
+                                                   "--max-replicas", "2"]))
+
+
+def test_router_class_imports_by_its_config_path():
+    import importlib
+
+    from pagedserve.cluster.serve_app import ROUTER_CLASS
+    from ray.serve.request_router import RequestRouter
+
+    module, _, name = ROUTER_CLASS.partition(":")
+    assert issubclass(getattr(importlib.import_module(module), name), RequestRouter)
+
+
 def test_cli_bad_flag_exits_with_the_flag_named(tiny_llama, capsys):
     ns = build_parser().parse_args(["serve", str(tiny_llama), "--block-size", "3"])
     with pytest.raises(SystemExit) as info:
