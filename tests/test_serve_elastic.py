@@ -129,3 +129,35 @@ def test_rolling_update_under_load_fails_nothing(server, http, tiny_model_factor
     engine = serve.get_deployment_handle(ENGINE, APP)
     assert all(engine.ready.remote().result()["max_num_seqs"] == 12 for _ in range(4))  # every replica is new
     wait_all_blocks_free(http, replicas=2)
+
+
+def test_scale_down_finishes_the_requests_a_removed_replica_holds(server, http, tiny_model_factory):
+    """Two engine replicas, both busy with long requests; the config drops to one: the replica being
+    removed stops taking requests and finishes what it holds (graceful shutdown), nothing fails."""
+    from ray import serve
+
+    from pagedserve.cluster.serve_app import build_app
+
+    args, _ = server
+    model = tiny_model_factory("llama", max_position_embeddings=2048)
+    assert running_replicas() == 2  # left so by the rolling update
+    results: list = []
+
+    def one(i: int) -> None:
+        try:
+            response = complete(http, PROMPTS[i % len(PROMPTS)], max_tokens=400, ignore_eos=True)
+            results.append((response.status_code, response.text[:300]))
+        except httpx.HTTPError as exc:
+            results.append((None, repr(exc)))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    smaller = engine_args(model, args.port, max_num_seqs=12, min_replicas=1, max_replicas=1)
+    serve.run(build_app(smaller.to_dict()), name=APP, route_prefix="/", blocking=False)
+    for thread in threads:
+        thread.join(TIMEOUT)
+    wait_for(lambda: running_replicas() == 1, 120, "the scale-down")
+    assert len(results) == 6 and all(status == 200 for status, _ in results), results
+    wait_all_blocks_free(http, replicas=1)
