@@ -61,6 +61,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.num_routed: dict[ReplicaID, int] = {}
         self._held: dict[ReplicaID, tuple[int, frozenset[str]]] = {}  # replica -> (id(stats list), hashes)
         register(self._deployment_id.app_name, self._deployment_id.name, self)
+        self._ray_counter = _ray_decision_counter()
 
     # ------------------------------------------------------------------ the choice
 
@@ -90,8 +91,14 @@ class PrefixAffinityRouter(RequestRouter):
             holders = [r for r in healthy if short in self._holds(r)]
             return min(holders, key=self.replica_load).replica_id if holders else None
 
-        choice, _ = self.policy.choose([r.replica_id for r in healthy],
-                                       lambda rid: self.replica_load(by_id[rid]), hashes, holder)
+        choice, decision = self.policy.choose([r.replica_id for r in healthy],
+                                              lambda rid: self.replica_load(by_id[rid]), hashes, holder)
+        if self._ray_counter is not None:
+            try:
+                self._ray_counter.inc(1.0, tags={"decision": decision, "deployment": self._deployment_id.name,
+                                                 "application": self._deployment_id.app_name})
+            except Exception:  # noqa: BLE001 - metrics are optional; routing is not
+                self._ray_counter = None
         if hashes:
             self.policy.remember(hashes, choice)
         return by_id[choice]
@@ -145,6 +152,18 @@ class PrefixAffinityRouter(RequestRouter):
                 "num_routed": self.num_routed.get(replica.replica_id, 0),
             })
         return {"replicas": replicas, "decisions": dict(self.policy.decisions)}
+
+
+def _ray_decision_counter() -> Any:
+    """Routing decisions in Ray's metrics export too: every router process's counts, summed there (the
+    ingress's /metrics shows its own router's); None where Ray metrics are unavailable."""
+    try:
+        from ray.util.metrics import Counter
+
+        return Counter("pagedserve_routing_decisions", "Engine routing decisions by kind, all routers.",
+                       tag_keys=("decision", "deployment", "application"))
+    except Exception:  # noqa: BLE001 - metrics are optional; routing is not
+        return None
 
 
 def short_hash(block_hash: bytes) -> str:
