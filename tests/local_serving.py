@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from typing import Any
 
 from pagedserve.cluster.coordinator import DPCoordinator
@@ -62,10 +63,29 @@ class LocalServer:
         self.serving = OpenAIServing(self.coordinator, load_tokenizer(model), self.args, config.max_model_len)
         self.app = build_fastapi_app(self.serving)
 
-    def kv_blocks(self) -> tuple[int, int]:
-        """(free, total) KV blocks of the engine, read from the engine itself."""
+    def kv_blocks(self, settle_s: float = 10.0) -> tuple[int, int]:
+        """(free, total) KV blocks of the engine, read from the engine itself, once no request is left
+        (at most `settle_s`). A stream a test dropped unfinished is closed, and its request aborted, only
+        when the garbage collector gets to it: collect first, then let the abort reach the engine."""
+        import gc
+        import time
+
+        gc.collect()
+        deadline = time.monotonic() + settle_s
+        while self.actor.engine.get_stats().num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.05)
         stats = self.actor.engine.get_stats().scheduler
         return stats.num_free_blocks, stats.num_total_blocks
+
+    def kv_blocks_when_idle(self, timeout_s: float = 30.0) -> tuple[int, int]:
+        """(free, total) once every block is free, or as they stand after `timeout_s`. A client has its
+        final output one loop turn before the engine thread publishes the stats of that turn."""
+        deadline = time.monotonic() + timeout_s
+        free, total = self.kv_blocks()
+        while free != total and time.monotonic() < deadline:
+            time.sleep(0.05)
+            free, total = self.kv_blocks()
+        return free, total
 
     def close(self) -> None:
         self.actor.shutdown()

@@ -51,7 +51,7 @@ def client(http) -> openai.OpenAI:
 
 
 def assert_idle(local: LocalServer) -> None:
-    free, total = local.kv_blocks()
+    free, total = local.kv_blocks_when_idle()
     assert free == total
 
 
