@@ -4,6 +4,7 @@ behind the real `DPCoordinator`, whose `.remote(...)` calls a small adapter answ
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import time
 from typing import Any
@@ -63,23 +64,18 @@ class LocalServer:
         self.serving = OpenAIServing(self.coordinator, load_tokenizer(model), self.args, config.max_model_len)
         self.app = build_fastapi_app(self.serving)
 
-    def kv_blocks(self, settle_s: float = 10.0) -> tuple[int, int]:
-        """(free, total) KV blocks of the engine, read from the engine itself, once no request is left
-        (at most `settle_s`). A stream a test dropped unfinished is closed, and its request aborted, only
-        when the garbage collector gets to it: collect first, then let the abort reach the engine."""
-        import gc
-        import time
-
-        gc.collect()
-        deadline = time.monotonic() + settle_s
-        while self.actor.engine.get_stats().num_unfinished and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def kv_blocks(self) -> tuple[int, int]:
+        """(free, total) KV blocks of the engine as its loop last published them."""
         stats = self.actor.engine.get_stats().scheduler
         return stats.num_free_blocks, stats.num_total_blocks
 
     def kv_blocks_when_idle(self, timeout_s: float = 30.0) -> tuple[int, int]:
-        """(free, total) once every block is free, or as they stand after `timeout_s`. A client has its
-        final output one loop turn before the engine thread publishes the stats of that turn."""
+        """(free, total) once every block is free, or as they stand after `timeout_s`.
+
+        A client has its final output one loop turn before the engine thread publishes that turn's
+        stats, and a stream a test dropped unfinished is closed (its request aborted) only when the
+        garbage collector gets to it: collect first, then wait for the engine to catch up."""
+        gc.collect()
         deadline = time.monotonic() + timeout_s
         free, total = self.kv_blocks()
         while free != total and time.monotonic() < deadline:
