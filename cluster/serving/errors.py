@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.responses import ErrorInfo
+from pagedserve.cluster.serving.streams import RequestFailedError
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,10 @@ def engine_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), type="service_unavailable_error", code="engine_dead")
     if isinstance(exc, ValueError):
         return bad_request(exc)
+    if isinstance(exc, RequestFailedError):
+        logger.error("request %s failed in the engine: %s", current_request_id(), exc)
+        return APIError(500, f"the request failed in the engine: {exc}; request id {current_request_id()}",
+                        type="internal_server_error", code="request_failed")
     return internal_error(exc)
 
 

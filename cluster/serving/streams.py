@@ -53,11 +53,19 @@ class RequestTimer:
             self.metrics.observe_finished(now - self.start, self.prompt_tokens, self.generated, self.finish_reason)
 
 
+class RequestFailedError(RuntimeError):
+    """The engine finished this request with an error (finish_reason "error"): it failed alone, inside
+    a step, while the rest of its batch went on. The client gets an error, never that finish reason."""
+
+
 async def timed(stream: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[RequestOutput]:
-    """Pass a stream through, feeding each output to `timer`."""
+    """Pass a stream through, feeding each output to `timer`; an output that carries an engine error
+    ends the stream with `RequestFailedError`."""
     try:
         async for output in stream:
             timer.on_output(output)
+            if output.error is not None:
+                raise RequestFailedError(output.error)
             yield output
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
