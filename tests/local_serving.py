@@ -9,6 +9,8 @@ import inspect
 import time
 from typing import Any
 
+from starlette.testclient import TestClient
+
 from pagedserve.cluster.coordinator import DPCoordinator
 from pagedserve.cluster.engine_actor import EngineActor
 from pagedserve.cluster.serving.app import build_fastapi_app
@@ -85,6 +87,16 @@ class LocalServer:
 
     def close(self) -> None:
         self.actor.shutdown()
+
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def test_client(self) -> TestClient:
+        """A TestClient over the app that answers server errors as responses (as a real server would)."""
+        return TestClient(self.app, raise_server_exceptions=False)
 
 
 class ScriptedCoordinator:

@@ -38,16 +38,13 @@ JSON_VALUES = st.recursive(
 @pytest.fixture(scope="module")
 def local(tiny_model_factory):
     model = tiny_model_factory("llama", max_position_embeddings=64)
-    server = LocalServer(str(model), {"max_num_seqs": 16}, max_n=4, max_request_body_bytes=256 * 1024)
-    try:
+    with LocalServer(str(model), {"max_num_seqs": 16}, max_n=4, max_request_body_bytes=256 * 1024) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="module")
 def client(local):
-    with TestClient(local.app, raise_server_exceptions=False) as c:
+    with local.test_client() as c:
         yield c
 
 

@@ -25,6 +25,7 @@ from pagedserve.engine import LLM  # noqa: E402
 from pagedserve.engine.models.loader import load_model  # noqa: E402
 from pagedserve.parallel.pipeline import layer_range  # noqa: E402
 from pagedserve.parallel.state import ParallelContext  # noqa: E402
+from tests.local_ray import fresh_local_ray  # noqa: E402
 from tests.test_engine_parity import _hf_model, check_parity, random_prompts  # noqa: E402
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tensor_parallel_size, pipeline_parallel_size)
@@ -33,13 +34,8 @@ ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")  # only because this test starts its own local Ray
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with fresh_local_ray(num_cpus=4):
         yield
-        ray.shutdown()
 
 
 def make_llm(path, tp: int, pp: int, **kw) -> LLM:

@@ -38,16 +38,13 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 @pytest.fixture(scope="module")
 def local(tiny_model_factory):
     model = tiny_model_factory("llama", max_position_embeddings=256)
-    server = LocalServer(str(model), {"scheduling_policy": "priority"}, max_n=4, max_request_body_bytes=BODY_LIMIT)
-    try:
+    with LocalServer(str(model), {"scheduling_policy": "priority"}, max_n=4, max_request_body_bytes=BODY_LIMIT) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="module")
 def client(local):
-    with TestClient(local.app, raise_server_exceptions=False) as c:
+    with local.test_client() as c:
         yield c
 
 

@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from starlette.testclient import TestClient
 
 from tests.local_serving import LocalServer
 
@@ -36,16 +35,13 @@ class PoisonMarkedPrompts:
 
 @pytest.fixture(scope="module")
 def local(tiny_model_factory):
-    server = LocalServer(str(tiny_model_factory("llama", max_position_embeddings=256)), {"max_num_seqs": 8})
-    try:
+    with LocalServer(str(tiny_model_factory("llama", max_position_embeddings=256)), {"max_num_seqs": 8}) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="module")
 def client(local):
-    with TestClient(local.app, raise_server_exceptions=False) as c:
+    with local.test_client() as c:
         yield c
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
 from tests.local_serving import LocalServer
 from tests.test_serving_errors import assert_openai_error
@@ -31,16 +30,13 @@ MESSAGES = [{"role": "user", "content": "Describe a person as JSON with a name a
 
 @pytest.fixture(scope="module")
 def local():
-    server = LocalServer(str(DEFAULT_MODEL), {"kv_cache_memory": "64MiB", "block_size": 16}, max_n=4)
-    try:
+    with LocalServer(str(DEFAULT_MODEL), {"kv_cache_memory": "64MiB", "block_size": 16}, max_n=4) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="module")
 def http(local):
-    with TestClient(local.app, raise_server_exceptions=False) as c:
+    with local.test_client() as c:
         yield c
 
 

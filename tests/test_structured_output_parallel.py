@@ -9,6 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedserve import LLM  # noqa: E402
+from tests.local_ray import fresh_local_ray  # noqa: E402
 from tests.structured_output_checks import assert_valid_outputs, constrained  # noqa: E402
 from tests.test_engine_parity import assert_all_blocks_free, random_prompts  # noqa: E402
 
@@ -17,13 +18,8 @@ KINDS = ["json", "regex", "choice", "grammar"]
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")  # only because this test starts its own local Ray
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with fresh_local_ray(num_cpus=2):
         yield
-        ray.shutdown()
 
 
 def test_tp2_constrained_outputs_are_valid_and_match_tp1(tiny_llama):
