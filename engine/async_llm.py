@@ -134,6 +134,10 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", [request_id], None))
 
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Prefill producer: readers are done with these finished requests' KV (thread-safe)."""
+        self.engine.release_kv(list(request_ids))
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", [request_id], None))
 
@@ -231,6 +235,8 @@ class AsyncLLM:
                 self._flush_aborts()
                 if not running:
                     break
+                if idle:  # a prefill producer frees released / expired KV holds even with no work
+                    self.engine.free_released_kv()
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         self._deliver(output.request_id, output)

@@ -120,6 +120,16 @@ class EngineConfig(BaseModel):
             parse_memory_size(v)
         return v
 
+    @field_validator("kv_transfer_config")
+    @classmethod
+    def _check_kv_transfer(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Parsed once here so every rank and the scheduler share one engine_id (a default is a fresh uuid).
+        if v is None:
+            return None
+        from pagedserve.kv_transfer.config import parse_kv_transfer_config
+
+        return parse_kv_transfer_config(v).model_dump()
+
     @field_validator("block_size")
     @classmethod
     def _check_block_size(cls, v: int) -> int:

@@ -87,6 +87,13 @@ class LLMEngine:
                 self._children.pop(out.request_id, None)
         return outputs
 
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Prefill producer: readers are done with these requests' KV (see EngineCore.release_kv)."""
+        self.engine_core.release_kv(request_ids)
+
+    def free_released_kv(self) -> int:
+        return self.engine_core.free_released_kv()
+
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
 

@@ -55,6 +55,7 @@ class RequestState:
     num_logprobs_returned: int = 0
     prompt_logprobs_returned: bool = False
     error: str | None = None  # the engine failed this request (finish_reason "error")
+    kv_transfer_params: dict | None = None  # a prefill producer's hand-off to its decode reader
 
 
 class OutputProcessor:
@@ -109,6 +110,8 @@ class OutputProcessor:
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if out.error is not None:
                 state.error = out.error
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(
                     None if e is None else _logprob_entry(self.tokenizer, e) for e in out.new_prompt_logprobs
@@ -208,4 +211,5 @@ class OutputProcessor:
             metrics=state.metrics,
             num_cached_tokens=state.metrics.num_cached_tokens,
             error=state.error if parent is None else parent.error,
+            kv_transfer_params=state.kv_transfer_params,
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # A position's logprobs: token id -> Logprob. Sample logprobs are a list of these, one per output token.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -59,6 +59,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set when the engine failed this request (its completions then have finish_reason "error").
     error: str | None = None
+    # Prefill/decode: on a producer's finished output, where a decode engine reads the prompt's KV.
+    kv_transfer_params: dict | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold the next DELTA output of the same request into this one, so a consumer that fell behind
@@ -85,6 +87,7 @@ class RequestOutput:
         self.metrics = later.metrics
         self.num_cached_tokens = later.num_cached_tokens
         self.error = later.error or self.error
+        self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
 
 
 @dataclass
@@ -104,6 +107,7 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     # With finish_reason "error": what failed (reaches the request's client).
     error: str | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -123,6 +127,8 @@ class SchedulerStats:
     num_prompt_tokens: int = 0  # cumulative computed prompt tokens
     num_generation_tokens: int = 0  # cumulative
     num_steps: int = 0  # cumulative engine steps that ran the model
+    # KV connector counters (kv_transfer.scheduler_connector.KVTransferStats as a dict); {} without one.
+    kv_transfer: dict = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

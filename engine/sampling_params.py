@@ -87,6 +87,10 @@ class SamplingParams(BaseModel):
     detokenize: bool = True
     # Constrain the output to a JSON schema, any JSON, a regex, a choice or an EBNF grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # Prefill/decode disaggregation (vLLM's kv_transfer_params): {"do_remote_decode": True} asks a
+    # producer engine to keep the prompt's KV for a reader; a producer's output params (which carry
+    # "do_remote_prefill": True) make a consumer engine load the prompt's KV instead of computing it.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("top_k")
     @classmethod

@@ -41,6 +41,31 @@ class KVConnectorScheduler(ABC):
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
         """A request finished. Return True to keep its blocks alive until the transfer completes."""
 
+    # Lifetime and bookkeeping (defaults suit a connector that never holds or loads anything).
+
+    def take_freeable(self) -> list[ConnectorRequest]:
+        """Requests kept alive by `request_finished` that may be freed now (released or expired)."""
+        return []
+
+    @property
+    def has_held(self) -> bool:
+        return False
+
+    def release(self, request_ids: list[str]) -> None:
+        """Readers are done with these kept requests (thread-safe)."""
+
+    def load_finished(self, req_id: str, ok: bool) -> None:
+        """The step that loaded `req_id` came back."""
+
+    def mark_load_failed(self, request: ConnectorRequest) -> None:
+        """A load failed: the request will compute its prompt locally."""
+
+    def add_worker_stats(self, loaded_bytes: int, seconds: float) -> None:
+        """What the workers moved in one step."""
+
+    def snapshot_stats(self) -> Any:
+        return None
+
 
 class KVConnectorWorker(ABC):
     """Worker-side half: moves the KV of individual layers around the forward pass."""
@@ -64,3 +89,7 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def wait_for_save(self) -> None:
         """Block until every save started this step has completed."""
+
+    def finish_loads(self) -> tuple[set[str], int, float]:
+        """After the forward pass: (requests whose load failed here, bytes loaded, seconds spent)."""
+        return set(), 0, 0.0

@@ -61,3 +61,12 @@ def pp_recv_tensors(
         dist.recv(t, src=src, group=ctx.pp_group)
         out[name] = t
     return out
+
+
+def world_sum_ints(values: list[int], device: torch.device) -> list[int]:
+    """Sum a few integers over every rank of the default group (all TP x PP ranks of one engine).
+    Every rank must call it for the same step, in the same order (like any collective)."""
+    backend = dist.get_backend()
+    tensor = torch.tensor(values, dtype=torch.int64, device=device if backend == "nccl" else "cpu")
+    dist.all_reduce(tensor)
+    return [int(x) for x in tensor.tolist()]

@@ -56,10 +56,37 @@ class EngineCore:
             num_blocks, config.block_size, capacity, config.max_model_len, capacity / config.max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, structured_output=self.structured_output)
+        self.kv_connector = self._make_kv_connector() if config.kv_transfer_config is not None else None
+        self.scheduler = Scheduler(config, self.kv_cache_manager, kv_connector=self.kv_connector,
+                                   structured_output=self.structured_output)
         # Pipeline parallelism: up to `max_concurrent_batches` batches in flight, oldest first.
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+
+    def _make_kv_connector(self):
+        """The scheduler half of the KV connector, told where this engine's ranks serve their KV."""
+        from pagedserve.kv_transfer.factory import make_scheduler_connector
+        from pagedserve.kv_transfer.layout import KVLayout
+
+        infos = self.executor.collective_rpc("kv_transfer_info")
+        connector = make_scheduler_connector(self.config.kv_transfer_config, KVLayout.from_dict(infos[0][0]),
+                                             [address for _, address in infos])
+        # An in-process producer rank passes a reader's release straight to the scheduler half.
+        for source in self.executor.local_kv_sources():
+            source.release_sink = connector.release
+        return connector
+
+    def release_kv(self, request_ids: Iterable[str]) -> None:
+        """Producer: a reader is done with these finished prefills (thread-safe; freed at the next tick)."""
+        if self.kv_connector is not None:
+            self.kv_connector.release(list(request_ids))
+
+    def free_released_kv(self) -> int:
+        """Free released or expired prefill holds; returns how many are still held."""
+        return self.scheduler.free_released_kv()
+
+    def kv_transfer_stats(self):
+        return None if self.kv_connector is None else self.kv_connector.snapshot_stats()
 
     def structured_output(self):
         """The structured-output manager (xgrammar is imported and set up on first use)."""
@@ -93,6 +120,7 @@ class EngineCore:
         if self.max_concurrent_batches > 1:
             return self._step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
+            self.scheduler.free_released_kv()
             return []
         scheduler_output = self.scheduler.schedule()
         failed_grammars = self._fail_grammars()
@@ -163,6 +191,7 @@ class EngineCore:
                     return self._fail_batch(scheduler_output, exc)
                 return self._update_from_output(scheduler_output, runner_output)
         if not self._batch_queue:
+            self.scheduler.free_released_kv()
             return []
         scheduler_output, future = self._batch_queue.popleft()
         try:

@@ -67,6 +67,11 @@ class Request:
     num_prompt_logprobs_sent: int = 0
     # The grammar matcher of a request with structured_outputs (set by the scheduler on arrival).
     structured_output: StructuredOutputRequest | None = None
+    # KV connector state: the prompt's KV was (to be) loaded from a producer; the load failed, so the
+    # prompt is computed here; the kv_transfer_params a producer hands its reader when this finishes.
+    kv_load_done: bool = False
+    kv_load_failed: bool = False
+    kv_transfer_params_out: dict | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

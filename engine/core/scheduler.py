@@ -21,6 +21,7 @@ from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.request_queue import RequestQueue, create_request_queue
+from pagedserve.engine.core.stop_conditions import accept_constrained, check_stop
 from pagedserve.engine.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedserve.kv_transfer.base import KVConnectorScheduler
 
@@ -159,7 +160,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
 
+    def free_released_kv(self) -> int:
+        """Producer: free the blocks of finished prefills whose reader released them or whose hold
+        expired. Returns how many requests are still held (the engine keeps ticking while any are)."""
+        if self.kv_connector is None:
+            return 0
+        for request in self.kv_connector.take_freeable():
+            self.kv_cache_manager.free(request)
+        return int(self.kv_connector.has_held)
+
     def schedule(self) -> SchedulerOutput:
+        self.free_released_kv()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         scheduled: list[Request] = []
@@ -223,7 +234,8 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop()
-            if self.kv_connector is not None and num_external:
+            request.num_computed_tokens = num_cached
+            if self.kv_connector is not None:
                 self.kv_connector.update_state_after_alloc(
                     request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
                 )
@@ -290,6 +302,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=set(self._finished_req_ids),
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_metadata()
         if constrained:
             output.structured_output_req_ids = [r.request_id for r in constrained]
             output.grammar_bitmask = self._structured_output().fill_bitmask([r.structured_output for r in constrained])
@@ -341,10 +355,14 @@ class Scheduler:
         for request in self._unfittable:
             outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="length"))
         self._unfittable = []
+        self._update_kv_loads(scheduler_output, runner_output)
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
             self._in_flight.discard(rid)
             request = self.requests.get(rid)
             if request is None:  # finished (aborted) while its batch was running
+                continue
+            if rid in runner_output.kv_load_failed:
+                self._recompute_after_failed_load(request)
                 continue
             chunk_start = request.num_computed_tokens - num_tokens
             prompt_left = max(0, request.num_prompt_tokens - chunk_start)
@@ -356,9 +374,9 @@ class Scheduler:
                 request.append_output_token(token)
                 new_token_ids.append(token)
                 self.num_generation_tokens += 1
-                self._check_stop(request)
+                check_stop(request, self.max_model_len)
                 if request.structured_output is not None:
-                    error = self._accept_constrained(request, token)
+                    error = accept_constrained(request, token)
             prompt_logprobs = runner_output.prompt_logprobs.get(rid)
             if prompt_logprobs is not None:
                 prompt_logprobs = request.take_new_prompt_logprobs(chunk_start, prompt_logprobs)
@@ -381,31 +399,29 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+                output.kv_transfer_params = request.kv_transfer_params_out
         return outputs
 
-    def _accept_constrained(self, request: Request, token: int) -> str | None:
-        """Advance the request's matcher; a terminated grammar stops it, a rejected token fails it."""
-        constraint = request.structured_output
-        if not constraint.accept(token):
-            request.status = RequestStatus.FINISHED_ERROR
-            return f"structured_outputs: the grammar rejected the sampled token {token}"
-        if constraint.is_terminated and not request.is_finished:
-            request.status = RequestStatus.FINISHED_STOPPED
-        return None
+    def _update_kv_loads(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        md = so.kv_connector_metadata
+        if self.kv_connector is None or md is None or not md.loads:
+            return
+        self.kv_connector.add_worker_stats(runner_output.kv_loaded_bytes, runner_output.kv_load_seconds)
+        for job in md.loads:
+            if job.req_id not in runner_output.kv_load_failed:
+                self.kv_connector.load_finished(job.req_id, ok=True)
 
-    def _check_stop(self, request: Request) -> None:
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
-            if params.stop_token_ids and last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
+    def _recompute_after_failed_load(self, request: Request) -> None:
+        """Its KV load failed: drop what this step computed on top of it and compute the prompt here."""
+        logger.warning("request %s: loading its prompt's KV failed; computing the prompt locally", request.request_id)
+        self.kv_connector.mark_load_failed(request)
+        self.kv_cache_manager.uncache_blocks(request.request_id)
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1  # the workers see it as resumed: a fresh block table
+        self.waiting.add_front(request)
 
     # ------------------------------------------------------------------ stats
 
@@ -424,4 +440,5 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
+            kv_transfer={} if self.kv_connector is None else vars(self.kv_connector.snapshot_stats()),
         )

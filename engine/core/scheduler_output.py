@@ -49,6 +49,9 @@ class SchedulerOutput:
     # bitmask (a [len(structured_output_req_ids), ceil(vocab / 32)] int32 CPU tensor, row per id).
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # KV connector (prefill/decode disaggregation): the loads and releases the workers do this step
+    # (a kv_transfer.scheduler_connector.ConnectorMetadata), or None without a connector.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -64,3 +67,8 @@ class ModelRunnerOutput:
     # Requests whose own work in this step failed (sampling, logits processing, prompt logprobs) ->
     # the error; the engine finishes them with finish_reason "error", the rest of the batch goes on.
     failed: dict[str, str] = field(default_factory=dict)
+    # KV connector: requests whose KV load failed on some rank (they recompute their prompt; their
+    # sampled token is discarded), and what this step's loads moved, summed over the ranks.
+    kv_load_failed: set[str] = field(default_factory=set)
+    kv_loaded_bytes: int = 0
+    kv_load_seconds: float = 0.0

@@ -22,7 +22,7 @@ from pagedserve.engine.models.loader import load_model, resolve_dtype
 from pagedserve.engine.sample.sampler import Sampler, SamplingState, compute_prompt_logprobs, describe_failure
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.cpu import empty_hugepage_tensor, load_cpu_ops
-from pagedserve.parallel.communication import pp_recv_tensors, pp_send_tensors
+from pagedserve.parallel.communication import pp_recv_tensors, pp_send_tensors, world_sum_ints
 from pagedserve.parallel.pipeline import IntermediateTensors
 from pagedserve.parallel.state import ParallelContext
 
@@ -96,8 +96,24 @@ class ModelRunner:
         num_layers, num_kv_heads, head_size = self.model.kv_cache_shape_per_layer()
         shape = (num_blocks, self.block_size, num_kv_heads, head_size)
         self.kv_caches = [(self._zeros_kv(shape), self._zeros_kv(shape)) for _ in range(num_layers)]
+        if self.config.kv_transfer_config is not None:
+            from pagedserve.kv_transfer.factory import make_worker_connector
+
+            self.kv_hooks = make_worker_connector(self.config.kv_transfer_config, self.kv_layout(), self.parallel.rank, self.device)
         if self.kv_hooks is not None:
             self.kv_hooks.register_kv_caches(self.kv_caches)
+
+    def kv_layout(self):
+        """This engine's KV layout (kv_transfer.layout.KVLayout): what a KV connector moves."""
+        from pagedserve.kv_transfer.layout import KVLayout
+
+        _, num_kv_heads_here, head_size = self.model.kv_cache_shape_per_layer()
+        num_kv_heads = int(getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads)
+        return KVLayout(
+            num_layers=int(self.hf_config.num_hidden_layers), num_kv_heads=num_kv_heads, head_size=head_size,
+            dtype=str(self.dtype).removeprefix("torch."), block_size=self.block_size,
+            tp_size=self.parallel.tp_size, pp_size=self.parallel.pp_size,
+        )
 
     def warm_up(self) -> None:
         """Compile every kernel variant now, not in a served step (engine.warmup)."""
@@ -208,6 +224,9 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Returns the sampled tokens on the driver rank, None on the others."""
         self._update_states(so)
+        kv_md = so.kv_connector_metadata
+        if self.kv_hooks is not None and kv_md is not None:
+            self.kv_hooks.start_load_kv(kv_md)  # releases go out now; loads run beside the forward pass
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}) if self.is_driver else None
         batch = self._plan_batch(so)
@@ -231,9 +250,11 @@ class ModelRunner:
             self.requests[rid].num_computed_tokens += ql
         if not self.is_last_stage:
             pp_send_tensors(hidden.to_dict(), self.parallel)
+            self._finish_kv_loads(kv_md)
             return None
 
         output = ModelRunnerOutput(sampled_token_ids={})
+        self._finish_kv_loads(kv_md, output)
         output.prompt_logprobs = self._compute_prompt_logprobs(batch, hidden, output.failed)
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows])
@@ -253,6 +274,19 @@ class ModelRunner:
         for rid in output.failed:
             output.prompt_logprobs.pop(rid, None)
         return output if self.is_driver else None
+
+    def _finish_kv_loads(self, kv_md, output: ModelRunnerOutput | None = None) -> None:
+        """Agree over every rank on which loads failed (any rank failing fails the request) and sum the bytes."""
+        if self.kv_hooks is None or kv_md is None or not kv_md.loads:
+            return
+        failed, nbytes, seconds = self.kv_hooks.finish_loads()
+        flags = [1 if job.req_id in failed else 0 for job in kv_md.loads]
+        if self.parallel.world_size > 1:
+            *flags, nbytes = world_sum_ints([*flags, nbytes], self.device)
+        if output is not None:
+            output.kv_load_failed = {job.req_id for job, f in zip(kv_md.loads, flags) if f}
+            output.kv_loaded_bytes = nbytes
+            output.kv_load_seconds = seconds
 
     @staticmethod
     def _bitmask_for(so: SchedulerOutput, batch: _Batch) -> tuple[torch.Tensor | None, list[int] | None]:

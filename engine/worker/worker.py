@@ -70,6 +70,11 @@ class Worker:
             logger.info("warming up the Triton kernels (one compile per variant, before serving)")
             self.model_runner.warm_up()
 
+    def kv_transfer_info(self) -> tuple[dict, object]:
+        """This rank's KV layout (as a dict) and its KV connector address (None unless it serves KV)."""
+        hooks = self.model_runner.kv_hooks
+        return self.model_runner.kv_layout().to_dict(), getattr(hooks, "address", None)
+
     def set_fault_injector(self, fault_injector: Callable[[str, str], None] | None) -> None:
         """Test hook: see ModelRunner.fault_injector (None turns it off)."""
         self.model_runner.fault_injector = fault_injector
@@ -78,5 +83,8 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        hooks = self.model_runner.kv_hooks if self.model_runner is not None else None
+        if hooks is not None and hasattr(hooks, "close"):
+            hooks.close()
         if self.parallel is not None and self.parallel.world_size > 1:
             destroy_distributed()

@@ -56,6 +56,11 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
+    def local_kv_sources(self) -> list:
+        """KV connector sources of ranks in this process (kv_transfer.kv_source.KVSource); [] when the
+        ranks live elsewhere (their readers' releases then reach the engine through `release_kv`)."""
+        return []
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 

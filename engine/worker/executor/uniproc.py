@@ -23,5 +23,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def local_kv_sources(self) -> list:
+        source = getattr(self.worker.model_runner.kv_hooks, "source", None)
+        return [] if source is None else [source]
+
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -1,0 +1,1 @@
+"""KV transports, one module each (see kv_transfer/registry.py for the names)."""

@@ -1,0 +1,226 @@
+"""The scheduler half of the prefill/decode connector (every transport shares it).
+
+Producer (prefill engine): a request sent with `kv_transfer_params={"do_remote_decode": True}` that
+finishes normally keeps its blocks; its output's kv_transfer_params tell a reader where they are
+(engine id, request id, block ids, KV layout, the addresses of the producer's ranks, when the hold
+expires). The blocks are freed when a reader releases the request or the hold times out.
+
+Consumer (decode engine): a request sent with those params (plus `"do_remote_prefill": True`) loads
+the prompt's KV instead of computing it - all but the last prompt token, which is computed here to
+produce the first token's logits, so every output token (and every sampling rule) is the
+consumer's own. Only what the consumer's prefix cache does not already hold is loaded. A load that
+fails makes the scheduler recompute the prompt locally (`mark_load_failed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.kv_transfer.base import ConnectorRequest, KVConnectorScheduler
+from pagedserve.kv_transfer.config import KVTransferConfig
+from pagedserve.kv_transfer.layout import KVLayout, check_compatible
+
+logger = logging.getLogger(__name__)
+
+# A consumer does not start a read this close to the producer's hold expiry: it recomputes instead.
+EXPIRY_MARGIN_S = 1.0
+
+
+@dataclass
+class LoadJob:
+    """Load tokens [token_start, token_end) of a request's prompt into the consumer's blocks."""
+
+    req_id: str
+    block_ids: list[int]  # the consumer's blocks of the request (logical order)
+    token_start: int
+    token_end: int
+    remote: dict[str, Any]  # the producer's kv_transfer_params
+
+
+@dataclass
+class ConnectorMetadata:
+    loads: list[LoadJob] = field(default_factory=list)
+    # (producer addresses, producer request id): readers done with a request that needed no load.
+    releases: list[tuple[list[Any], str]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.loads and not self.releases
+
+
+@dataclass
+class KVTransferStats:
+    """Cumulative connector counters (engine stats, `pagedserve:kv_transfer_*` metrics)."""
+
+    loads: int = 0  # requests whose prompt KV was loaded
+    loaded_tokens: int = 0
+    loaded_blocks: int = 0  # consumer blocks written (full or partial)
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    load_failures: int = 0
+    fallbacks: int = 0  # requests that computed their prompt locally instead (failure, expiry, mismatch)
+    held_requests: int = 0  # producer: requests whose blocks wait for a reader (gauge)
+    held_blocks: int = 0  # gauge
+    expired_holds: int = 0  # producer: holds freed by the timeout instead of a release
+
+
+def _remote_params(request: ConnectorRequest) -> dict[str, Any] | None:
+    return getattr(request.sampling_params, "kv_transfer_params", None)
+
+
+class PDConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, block_size: int) -> None:
+        self.config = config
+        self.layout = layout
+        self.block_size = block_size
+        self.hold_timeout_s = config.kv_connector_extra_config.hold_timeout_s
+        self.addresses: list[Any] = []  # this engine's ranks (set once the KV cache exists)
+        self.stats = KVTransferStats()
+        self._loads: list[LoadJob] = []
+        self._releases: list[tuple[list[Any], str]] = []
+        self._in_load: dict[str, LoadJob] = {}
+        # Producer: request id -> (request, block count, deadline); releases arrive from any thread.
+        self._held: dict[str, tuple[ConnectorRequest, int, float]] = {}
+        self._released: deque[str] = deque()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ consumer
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        params = _remote_params(request)
+        if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
+            return 0
+        if getattr(request, "kv_load_failed", False):
+            return 0
+        prompt_len = len(request.prompt_token_ids)
+        reason = None
+        try:
+            check_compatible(self.layout, KVLayout.from_dict(params["remote_layout"]))
+            if int(params["remote_num_tokens"]) != prompt_len:
+                reason = f"the producer holds {params['remote_num_tokens']} tokens, the prompt has {prompt_len}"
+            elif time.time() > float(params["expires_at"]) - EXPIRY_MARGIN_S:
+                reason = "the producer's hold has expired"
+        except (KeyError, TypeError, ValueError) as exc:
+            reason = f"unusable kv_transfer_params: {exc}"
+        if reason is not None:
+            logger.warning("request %s computes its prompt here: %s", request.request_id, reason)
+            self._fall_back(request)
+            return 0
+        return max(0, prompt_len - 1 - num_computed_tokens)
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int) -> None:
+        params = _remote_params(request)
+        if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
+            return
+        if getattr(request, "kv_load_failed", False) or getattr(request, "kv_load_done", False):
+            return
+        request.kv_load_done = True  # a resumed (preempted) request recomputes; it never loads twice
+        if num_external_tokens == 0:  # our prefix cache had it all: only tell the producer
+            self._releases.append((list(params["remote_addresses"]), params["remote_request_id"]))
+            return
+        start = request.num_computed_tokens
+        job = LoadJob(request.request_id, list(block_ids), start, start + num_external_tokens, params)
+        self._loads.append(job)
+        self._in_load[request.request_id] = job
+
+    def build_connector_metadata(self) -> ConnectorMetadata:
+        md = ConnectorMetadata(self._loads, self._releases)
+        self._loads, self._releases = [], []
+        return md
+
+    def load_finished(self, req_id: str, ok: bool) -> None:
+        """The step that loaded this request came back (`ok`: every rank loaded every layer)."""
+        job = self._in_load.pop(req_id, None)
+        if job is None:
+            return
+        if ok:
+            self.stats.loads += 1
+            self.stats.loaded_tokens += job.token_end - job.token_start
+            bs = self.block_size
+            self.stats.loaded_blocks += (job.token_end - 1) // bs - job.token_start // bs + 1
+        else:
+            self.stats.load_failures += 1
+
+    def _fall_back(self, request: ConnectorRequest) -> None:
+        request.kv_load_failed = True
+        self.stats.fallbacks += 1
+        params = _remote_params(request) or {}
+        if params.get("remote_addresses") and params.get("remote_request_id"):
+            self._releases.append((list(params["remote_addresses"]), params["remote_request_id"]))
+
+    def mark_load_failed(self, request: ConnectorRequest) -> None:
+        """The load failed on some rank: the request recomputes its prompt (the caller requeues it)."""
+        self.load_finished(request.request_id, ok=False)
+        request.kv_load_failed = True
+        self.stats.fallbacks += 1
+
+    def add_worker_stats(self, loaded_bytes: int, seconds: float) -> None:
+        self.stats.loaded_bytes += loaded_bytes
+        self.stats.load_seconds += seconds
+
+    # ------------------------------------------------------------------ producer
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        self._in_load.pop(request.request_id, None)
+        params = _remote_params(request)
+        status = getattr(request, "status", None)
+        finished_ok = status is not None and status.finish_reason in ("stop", "length")
+        if not self.config.is_producer or not params or not params.get("do_remote_decode") or not block_ids:
+            return False
+        if not finished_ok:
+            return False
+        deadline = time.time() + self.hold_timeout_s
+        with self._lock:
+            self._held[request.request_id] = (request, len(block_ids), deadline)
+        request.kv_transfer_params_out = {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": list(block_ids),
+            "remote_num_tokens": len(request.prompt_token_ids),
+            "remote_layout": self.layout.to_dict(),
+            "remote_addresses": list(self.addresses),
+            "kv_connector": self.config.kv_connector,
+            "expires_at": deadline,
+        }
+        return True
+
+    def release(self, request_ids: list[str] | str) -> None:
+        """A reader is done with these requests (thread-safe; freed at the next `take_freeable`)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self._released.extend(request_ids)
+
+    def take_freeable(self) -> list[ConnectorRequest]:
+        """Held requests whose reader released them or whose hold expired: the caller frees their blocks."""
+        if not self._held:
+            self._released.clear()
+            return []
+        now = time.time()
+        out = []
+        with self._lock:
+            while self._released:
+                entry = self._held.pop(self._released.popleft(), None)
+                if entry is not None:
+                    out.append(entry[0])
+            for rid in [rid for rid, (_, _, deadline) in self._held.items() if deadline <= now]:
+                out.append(self._held.pop(rid)[0])
+                self.stats.expired_holds += 1
+                logger.warning("request %s: no reader released its KV within %.0f s; freeing its blocks",
+                               rid, self.hold_timeout_s)
+        return out
+
+    @property
+    def has_held(self) -> bool:
+        return bool(self._held)
+
+    def snapshot_stats(self) -> KVTransferStats:
+        with self._lock:
+            self.stats.held_requests = len(self._held)
+            self.stats.held_blocks = sum(n for _, n, _ in self._held.values())
+        return KVTransferStats(**vars(self.stats))
