@@ -108,6 +108,11 @@ class EngineConfig(BaseModel):
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     num_cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per Ray worker rank.")
+    placement_timeout_s: float = Field(default=300.0, gt=0, description="Longest wait for a busy cluster to offer "
+                                       "the ranks' placement group (a layout it can never hold fails at once).")
+    # Set by the cluster layer for a rank/engine that shares its node with others (its CPU share of the node):
+    # the default KV budget (kv_cache_memory unset) is a budget for the whole node, so each takes its share.
+    kv_cache_memory_share: float = Field(default=1.0, gt=0, le=1)
     kv_transfer_config: dict[str, Any] | None = None
 
     # Resolved from the HF config by `resolve()`; not user input.
@@ -160,7 +165,7 @@ class EngineConfig(BaseModel):
     @property
     def kv_cache_memory_bytes(self) -> int:
         if self.kv_cache_memory is None:
-            return default_kv_cache_memory()
+            return int(default_kv_cache_memory() * self.kv_cache_memory_share)
         return parse_memory_size(self.kv_cache_memory)
 
     @property
