@@ -1,0 +1,231 @@
+"""Prefill/decode disaggregation in one process: a producer LLM computes prompts and keeps their KV, a
+consumer LLM loads it (in-process transport) and generates. The consumer's greedy tokens equal the
+monolithic engine's (and so HF's) under every scheduler feature; only what the consumer lacks moves;
+failed or expired loads fall back to computing the prompt; no block is ever leaked."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
+from pagedserve.kv_transfer.layout import KVLayout, check_compatible, plan_reads
+from tests.tiny_models import TINY_ARCHS, VOCAB_SIZE
+
+MAX_NEW = 8
+
+
+def _prompts(seed: int, lengths, prefix=()):
+    rng = random.Random(seed)
+    return [list(prefix) + [rng.randrange(8, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def _llm(path, role: str | None = None, timeout: float = 120.0, **overrides) -> LLM:
+    kwargs = dict(model=str(path), dtype="float32", num_kv_blocks=96, block_size=4, max_num_batched_tokens=64)
+    kwargs.update(overrides)
+    if role is not None:
+        kwargs["kv_transfer_config"] = {"kv_connector": "inproc", "kv_role": role,
+                                        "kv_connector_extra_config": {"hold_timeout_s": timeout}}
+    return LLM(**kwargs)
+
+
+def _prefill(producer: LLM, prompts):
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
+    outs = producer.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert all(o.kv_transfer_params and o.kv_transfer_params["do_remote_prefill"] for o in outs)
+    return [o.kv_transfer_params for o in outs]
+
+
+def _decode(consumer: LLM, prompts, remote, **params):
+    params = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, **params}
+    sp = [SamplingParams(kv_transfer_params=r, **params) for r in remote]
+    return consumer.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def _greedy(llm: LLM, prompts, **params):
+    sp = SamplingParams(**{"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, **params})
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def _all_free(*llms: LLM) -> None:
+    for llm in llms:
+        engine = llm.llm_engine
+        deadline = time.monotonic() + 10
+        while engine.free_released_kv() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks, f"{stats.num_total_blocks - stats.num_free_blocks} blocks leaked"
+
+
+def _tokens(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_pd_equals_monolithic_for_every_architecture(tiny_model_factory, arch):
+    path = tiny_model_factory(arch)
+    mono, producer, consumer = _llm(path), _llm(path, "kv_producer"), _llm(path, "kv_consumer", block_size=8)
+    prompts = _prompts(1, [3, 9, 16, 37])
+    remote = _prefill(producer, prompts)
+    assert _tokens(_decode(consumer, prompts, remote)) == _tokens(_greedy(mono, prompts))
+    stats = consumer.llm_engine.get_stats().kv_transfer
+    assert stats["loads"] == 4 and stats["loaded_tokens"] == sum(len(p) - 1 for p in prompts)
+    assert stats["fallbacks"] == 0 and stats["loaded_bytes"] > 0
+    _all_free(mono, producer, consumer)
+
+
+def test_pd_matches_hf(tiny_llama):
+    from tests.test_engine_parity import _hf_model, hf_greedy
+
+    producer, consumer = _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompts = _prompts(2, [5, 21])
+    outs = _decode(consumer, prompts, _prefill(producer, prompts))
+    hf = _hf_model(tiny_llama)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+def test_chunked_prefill_on_the_producer_and_n_and_logprobs_on_the_consumer(tiny_llama):
+    mono = _llm(tiny_llama)
+    producer = _llm(tiny_llama, "kv_producer", max_num_batched_tokens=8)  # 40-token prompts take 5 chunks
+    consumer = _llm(tiny_llama, "kv_consumer", block_size=16)
+    prompts = _prompts(3, [40, 41])
+    remote = _prefill(producer, prompts)
+    got = _decode(consumer, prompts, remote, n=2, logprobs=2)
+    want = _greedy(mono, prompts, n=2, logprobs=2)
+    assert _tokens(got) == _tokens(want)
+    for g, w in zip(got, want):
+        for gc, wc in zip(g.outputs, w.outputs):
+            for gl, wl in zip(gc.logprobs, wc.logprobs):
+                assert gl.keys() == wl.keys()
+                assert all(abs(gl[t].logprob - wl[t].logprob) < 1e-4 for t in gl)
+    _all_free(mono, producer, consumer)
+
+
+def test_prefix_hits_on_the_consumer_move_only_the_missing_blocks(tiny_llama):
+    mono, producer, consumer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    shared = _prompts(4, [32])[0]
+    first, second = _prompts(5, [8, 8], prefix=shared)
+    _decode(consumer, [first], _prefill(producer, [first]))
+    before = consumer.llm_engine.get_stats().kv_transfer
+    out = _decode(consumer, [second], _prefill(producer, [second]))
+    after = consumer.llm_engine.get_stats().kv_transfer
+    assert _tokens(out) == _tokens(_greedy(mono, [second]))
+    # The 32 shared tokens (8 full blocks) came from the consumer's own cache: only 39 - 32 = 7 tokens moved.
+    assert after["loaded_tokens"] - before["loaded_tokens"] == len(second) - 1 - 32
+    per_token = before["loaded_bytes"] / before["loaded_tokens"]
+    assert after["loaded_bytes"] - before["loaded_bytes"] == pytest.approx(per_token * 7)
+    _all_free(mono, producer, consumer)
+
+
+def test_whole_prompt_cached_on_the_consumer_moves_nothing_and_still_releases(tiny_llama):
+    producer, consumer = _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompt = _prompts(6, [17])
+    first = _decode(consumer, prompt, _prefill(producer, prompt))
+    loads = consumer.llm_engine.get_stats().kv_transfer["loads"]
+    again = _decode(consumer, prompt, _prefill(producer, prompt))
+    assert _tokens(again) == _tokens(first)
+    assert consumer.llm_engine.get_stats().kv_transfer["loads"] == loads
+    _all_free(producer, consumer)
+
+
+def test_preemption_on_the_consumer(tiny_llama):
+    mono = _llm(tiny_llama)
+    producer = _llm(tiny_llama, "kv_producer")
+    consumer = _llm(tiny_llama, "kv_consumer", num_kv_blocks=14, max_num_batched_tokens=32)
+    prompts = _prompts(7, [12, 13, 14, 15])
+    got = _decode(consumer, prompts, _prefill(producer, prompts), max_tokens=12)
+    assert consumer.llm_engine.get_stats().num_preemptions > 0
+    assert _tokens(got) == _tokens(_greedy(mono, prompts, max_tokens=12))
+    _all_free(mono, producer, consumer)
+
+
+def test_a_hold_nobody_releases_expires(tiny_llama):
+    producer = _llm(tiny_llama, "kv_producer", timeout=0.3)
+    _prefill(producer, _prompts(8, [20, 30]))
+    engine = producer.llm_engine
+    assert engine.get_stats().num_free_blocks < engine.get_stats().num_total_blocks
+    _all_free(producer)
+    assert engine.get_stats().kv_transfer["expired_holds"] == 2
+
+
+def test_a_load_from_a_gone_producer_falls_back_to_computing_the_prompt(tiny_llama):
+    mono, producer, consumer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompts = _prompts(9, [10, 25])
+    remote = _prefill(producer, prompts)
+    producer.shutdown()  # its ranks stop serving: every read fails
+    got = _decode(consumer, prompts, remote)
+    assert _tokens(got) == _tokens(_greedy(mono, prompts))
+    stats = consumer.llm_engine.get_stats().kv_transfer
+    assert stats["load_failures"] == 2 and stats["fallbacks"] == 2 and stats["loads"] == 0
+    _all_free(mono, consumer)
+
+
+def test_an_expired_or_mismatched_hand_off_is_computed_locally(tiny_llama, tiny_model_factory):
+    mono, producer, consumer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompts = _prompts(10, [11, 12])
+    remote = _prefill(producer, prompts)
+    expired = dict(remote[0], expires_at=time.time() - 1)
+    other = dict(remote[1], remote_layout=dict(remote[1]["remote_layout"], num_kv_heads=7))
+    got = _decode(consumer, prompts, [expired, other])
+    assert _tokens(got) == _tokens(_greedy(mono, prompts))
+    assert consumer.llm_engine.get_stats().kv_transfer["fallbacks"] == 2
+    _all_free(mono, producer, consumer)
+
+
+def test_kv_both_engines_serve_and_load(tiny_llama):
+    mono, a, b = _llm(tiny_llama), _llm(tiny_llama, "kv_both"), _llm(tiny_llama, "kv_both")
+    prompts = _prompts(11, [19])
+    assert _tokens(_decode(b, prompts, _prefill(a, prompts))) == _tokens(_greedy(mono, prompts))
+    assert _tokens(_decode(a, prompts, _prefill(b, prompts))) == _tokens(_greedy(mono, prompts))
+    _all_free(mono, a, b)
+
+
+# ---------------------------------------------------------------------- config and layout
+
+
+def test_kv_transfer_config_errors_name_the_field(tiny_llama):
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_connector"):
+        _llm(tiny_llama, kv_transfer_config={"kv_connector": "nixl", "kv_role": "kv_producer"})
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_role"):
+        parse_kv_transfer_config({"kv_connector": "inproc", "kv_role": "producer"})
+    with pytest.raises(ValueError, match="hold_timeout_s"):
+        parse_kv_transfer_config({"kv_connector": "inproc", "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"hold_timeout_s": 0}})
+    config = KVTransferConfig(kv_connector="ray", kv_role="kv_consumer",
+                              kv_connector_extra_config={"kv_host": "10.0.0.1"})
+    assert config.is_consumer and not config.is_producer and config.extra["kv_host"] == "10.0.0.1"
+
+
+LAYOUTS = [(tp, pp) for tp in (1, 2, 4) for pp in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4, 8])
+def test_every_consumer_rank_reads_each_of_its_layer_heads_exactly_once(num_kv_heads):
+    for (ptp, ppp), (ctp, cpp) in itertools.product(LAYOUTS, LAYOUTS):
+        if (num_kv_heads < ptp and ptp % num_kv_heads) or (num_kv_heads < ctp and ctp % num_kv_heads):
+            continue
+        if num_kv_heads >= ptp and num_kv_heads % ptp or num_kv_heads >= ctp and num_kv_heads % ctp:
+            continue
+        producer = KVLayout(6, num_kv_heads, 8, "float32", 16, ptp, ppp)
+        consumer = KVLayout(6, num_kv_heads, 8, "float32", 4, ctp, cpp)
+        for rank in range(consumer.world_size):
+            covered = []
+            for plan in plan_reads(consumer, rank, producer):
+                assert set(plan.layers) <= set(producer.layers_of(plan.remote_rank))
+                assert set(plan.heads) <= set(producer.heads_of(plan.remote_rank))
+                mine = consumer.heads_of(rank)
+                assert plan.local_head_offset == plan.heads.start - mine.start
+                covered += [(layer, head) for layer in plan.layers for head in plan.heads]
+            want = [(layer, head) for layer in consumer.layers_of(rank) for head in consumer.heads_of(rank)]
+            assert sorted(covered) == sorted(want), (producer, consumer, rank)
+
+
+def test_incompatible_layouts_are_refused_naming_both():
+    a = KVLayout(4, 4, 8, "float32", 16, tp_size=2)
+    b = KVLayout(4, 4, 8, "bfloat16", 16, pp_size=2)
+    with pytest.raises(ValueError, match=r"TP=2 PP=1.*TP=1 PP=2.*dtype"):
+        check_compatible(b, a)
