@@ -41,6 +41,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--kv-cache-memory", help="KV cache budget on CPU, e.g. 4GiB")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="on a GPU: the share of its memory the engine may use (default 0.9)")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
     parser.add_argument("--max-logprobs", type=int, help="most logprobs a request may ask for (default 20)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
