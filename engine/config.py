@@ -100,6 +100,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_memory: int | str | None = None
+    # On CUDA (when kv_cache_memory is not set): the share of the device's memory the engine may fill
+    # (weights, activations, KV cache); the KV cache gets what a profile run leaves (memory_profiler).
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     num_kv_blocks: int | None = Field(default=None, ge=1, description="Override the number of KV blocks (tests).")
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_logprobs: int = Field(default=20, ge=0)

@@ -62,6 +62,10 @@ class Worker:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = self.model_runner.kv_cache_bytes_per_block()
+        if self.device.type == "cuda" and self.config.kv_cache_memory is None:
+            from pagedserve.engine.worker.memory_profiler import gpu_kv_budget
+
+            return max(0, gpu_kv_budget(self.model_runner) // per_block)
         return max(0, self.config.kv_cache_memory_bytes // per_block)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
