@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pagedserve.cluster.bench.cli import BENCH_COMMANDS, add_bench_commands, run_bench_command
 from pagedserve.cluster.serving.settings import API_KEY_ENV, ServeArgs
 
 
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", default=None)
+    add_bench_commands(sub)
     return parser
 
 
@@ -182,6 +184,8 @@ def cmd_generate(args: ServeArgs, ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if ns.command in BENCH_COMMANDS:
+        return run_bench_command(ns)
     args = serve_args_from(ns)
     if ns.command == "serve":
         return cmd_serve(args)

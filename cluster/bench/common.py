@@ -1,0 +1,104 @@
+"""Flags and helpers the bench commands share: the model, engine settings, the roofline figures, output."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pagedserve.cluster.bench import report as rep
+from pagedserve.cluster.bench.roofline import Machine, machine_figures
+
+
+def add_model_args(parser: argparse.ArgumentParser, random_weights: bool = True) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF-format model directory or GGUF file (default: the default model)")
+    if random_weights:
+        parser.add_argument("--random-weights", choices=["small", "medium"], default=None,
+                            help="benchmark a random-weight Llama of this shape instead of MODEL")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget on CPU (default 1GiB)")
+    group.add_argument("--block-size", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("--seed", type=int, default=0, help="workload and engine seed")
+
+
+def add_output_args(parser: argparse.ArgumentParser, plot: bool = False) -> None:
+    parser.add_argument("--output-json", default=None, help="write the report (docs/benchmarks.md) here")
+    if plot:
+        parser.add_argument("--plot", default=None, help="write a PNG figure here")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the roofline (and its one-time probe)")
+    parser.add_argument("--roofline-file", default=None,
+                        help="machine figures cache (default ~/.cache/pagedserve/roofline.json, or "
+                             "$PAGEDSERVE_ROOFLINE_FILE)")
+    parser.add_argument("--remeasure", action="store_true", help="probe the machine again, even if cached")
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keywords for the engine flags the user set."""
+    kwargs: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "seed": ns.seed}
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching"):
+        value = getattr(ns, name, None)
+        if value is not None:
+            kwargs[name] = value
+    return kwargs
+
+
+@contextlib.contextmanager
+def model_path(ns: argparse.Namespace) -> Iterator[str]:
+    """The model to load: --random-weights (built in a temporary folder), MODEL, else the default model."""
+    size = getattr(ns, "random_weights", None)
+    if size is not None:
+        if ns.model is not None:
+            raise ValueError("give MODEL or --random-weights, not both")
+        from pagedserve.cluster.bench.random_model import make_random_model
+
+        with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
+            dtype = "float32" if ns.dtype == "float32" else "bfloat16"
+            print(f"building a random-weight {size} Llama ({dtype}) ...", file=sys.stderr, flush=True)
+            yield str(make_random_model(size, Path(tmp), dtype=dtype))
+        return
+    if ns.model is None:
+        from pagedserve.engine.models.default_model import resolve_default_model
+
+        yield resolve_default_model()
+        return
+    if not Path(ns.model).exists():
+        raise ValueError(f"MODEL: {ns.model!r} does not exist")
+    yield ns.model
+
+
+def machine(ns: argparse.Namespace) -> Machine | None:
+    """The roofline's machine figures (probed once and cached), or None with --no-roofline."""
+    if ns.no_roofline:
+        return None
+    path = Path(ns.roofline_file) if ns.roofline_file else None
+    cached = None if path is None else path
+    print("roofline: reading the machine figures (probing once if not cached) ...", file=sys.stderr, flush=True)
+    return machine_figures(cached, remeasure=ns.remeasure)
+
+
+def finish(report: dict[str, Any], ns: argparse.Namespace, text: str) -> None:
+    """Print the tables, then validate and write the JSON report when asked."""
+    print(text, flush=True)
+    rep.validate_report(report)
+    if ns.output_json:
+        rep.write_report(report, ns.output_json)
+        print(f"wrote {ns.output_json}", flush=True)
+
+
+def positive(name: str, value: int, minimum: int = 1) -> int:
+    if value is None or value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value

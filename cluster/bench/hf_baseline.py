@@ -1,0 +1,88 @@
+"""The HF transformers baseline of `bench throughput --baseline hf`: `generate` with static batching
+(vLLM's HF baseline), on the same weights, dtype and workload, in the same process."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.cluster.bench.workload import BenchRequest
+
+
+def load_hf_model(path: str, dtype: Any):
+    """The HF model for a safetensors folder or a GGUF file (transformers dequantizes it, as we do)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.engine.models.gguf_loader import find_gguf_file
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def run_hf(model: Any, workload: list[BenchRequest], batch_size: int, pad_id: int = 0,
+           desc: str | None = None) -> float:
+    """Seconds for HF `generate` over `workload` in left-padded batches in arrival order, each batch
+    generating its longest output length (only the requested tokens count as output)."""
+    import torch
+
+    start = time.perf_counter()
+    for i in tqdm(range(0, len(workload), batch_size), desc=desc or f"HF generate (batch {batch_size})",
+                  leave=False, disable=desc == ""):
+        batch = workload[i : i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids):] = 1
+        max_new = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                           min_new_tokens=max_new, pad_token_id=pad_id)
+    return time.perf_counter() - start
+
+
+def best_batch_size(model: Any, workload: list[BenchRequest], candidates: list[int], sample: int,
+                    pad_id: int = 0) -> tuple[int, dict[int, float]]:
+    """HF's best static batch size by output tokens/s on the first `sample` requests (the full sweep
+    would take hours); returns it and every candidate's rate."""
+    scores: dict[int, float] = {}
+    for bs in candidates:
+        subset = workload[: max(sample, bs)]
+        seconds = run_hf(model, subset, bs, pad_id, desc=f"HF calibration (batch {bs})")
+        scores[bs] = sum(r.output_len for r in subset) / seconds
+        print(f"    HF calibration: batch {bs:>3}: {scores[bs]:8.1f} out tok/s", file=sys.stderr, flush=True)
+    return max(scores, key=scores.__getitem__), scores
+
+
+def hf_baseline(path: str, torch_dtype: Any, workload: list[BenchRequest], candidates: list[int],
+                sample: int, pad_id: int = 0) -> tuple[float, int, dict[int, float]]:
+    """(seconds, batch size, calibration rates) of HF `generate` on the whole workload at its best batch."""
+    model = load_hf_model(path, torch_dtype)
+    try:
+        if len(candidates) > 1:
+            best, scores = best_batch_size(model, workload, candidates, sample, pad_id)
+        else:
+            best, scores = candidates[0], {}
+        seconds = run_hf(model, workload, best, pad_id, desc=f"HF generate (batch {best})")
+    finally:
+        del model
+        gc.collect()
+    return seconds, best, scores
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--hf-batch-sizes: expected comma-separated integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"--hf-batch-sizes: expected positive integers, got {text!r}")
+    return sizes
+

@@ -1,0 +1,121 @@
+"""`pagedserve bench latency`: the end-to-end latency of one batch, and its split into prefill and decode.
+
+Each iteration sends the same `--batch-size` prompts of `--input-len` random tokens (prefix cache reset
+first, so nothing is reused) with `--output-len` tokens each (`ignore_eos`) and times the whole batch.
+The engine's own request metrics split it: prefill = until the last request of the batch has its first
+token; decode per token = the rest over the remaining `output_len - 1` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.cluster.bench import common
+from pagedserve.cluster.bench import report as rep
+from pagedserve.cluster.bench.roofline import model_facts, step_roofline
+from pagedserve.cluster.bench.workload import synthetic, vocab_token_ids
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("latency", help="end-to-end latency of one batch (prefill + per-token decode)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-iters", type=int, default=10)
+    p.add_argument("--num-iters-warmup", type=int, default=2)
+    common.add_engine_args(p)
+    common.add_output_args(p)
+    p.set_defaults(bench_func=run)
+
+
+def check_args(ns: argparse.Namespace) -> None:
+    common.positive("--input-len", ns.input_len)
+    common.positive("--output-len", ns.output_len)
+    common.positive("--batch-size", ns.batch_size)
+    common.positive("--num-iters", ns.num_iters)
+    common.positive("--num-iters-warmup", ns.num_iters_warmup, minimum=0)
+
+
+def _iteration(llm: Any, prompts: list[dict], params: Any) -> tuple[float, float, float | None]:
+    """(e2e, prefill, decode per token) seconds of one batch."""
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    e2e = time.perf_counter() - start
+    for out in outputs:
+        if len(out.outputs[0].token_ids) != params.max_tokens:
+            raise RuntimeError(f"request {out.request_id} produced {len(out.outputs[0].token_ids)} tokens, "
+                               f"expected {params.max_tokens} (error: {out.error})")
+    metrics = [o.metrics for o in outputs]
+    arrival = min(m.arrival_time for m in metrics)
+    first = max(m.first_token_time for m in metrics)
+    last = max(m.finished_time or m.last_token_time for m in metrics)
+    prefill = first - arrival
+    decode = (last - first) / (params.max_tokens - 1) if params.max_tokens > 1 else None
+    return e2e, prefill, decode
+
+
+def run(ns: argparse.Namespace) -> int:
+    check_args(ns)
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    figures = common.machine(ns)
+    kwargs = common.engine_kwargs(ns)
+    kwargs.setdefault("max_num_seqs", max(ns.batch_size, 1))
+    with common.model_path(ns) as model:
+        llm = LLM(model=model, dtype=ns.dtype, **kwargs)
+        try:
+            ids = vocab_token_ids(llm.get_tokenizer(), llm.llm_engine.config.hf_config.vocab_size)
+            batch = synthetic(ns.batch_size, (ns.input_len,) * 2, (ns.output_len,) * 2, ns.seed, ids)
+            prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
+            params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
+            for _ in tqdm(range(ns.num_iters_warmup), desc="warm-up", leave=False):
+                _iteration(llm, prompts, params)
+            times = [_iteration(llm, prompts, params) for _ in tqdm(range(ns.num_iters), desc="iterations")]
+            facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config)
+        finally:
+            llm.shutdown()
+    e2e = [t[0] for t in times]
+    prefill = [t[1] for t in times]
+    decode = [t[2] for t in times if t[2] is not None]
+    duration = sum(e2e)
+    n = ns.batch_size * ns.num_iters
+    prompt_tokens, output_tokens = n * ns.input_len, n * ns.output_len
+    run_entry: dict[str, Any] = {
+        "name": f"batch {ns.batch_size} x ({ns.input_len} in, {ns.output_len} out)",
+        "params": {"batch_size": ns.batch_size, "input_len": ns.input_len, "output_len": ns.output_len,
+                   "num_iters": ns.num_iters},
+        "num_requests": n, "completed": n, "failed": 0, "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens, "duration_s": duration,
+        "throughput": rep.throughput(n, prompt_tokens, output_tokens, duration),
+        "latency_ms": {"e2e": rep.summarize(e2e), "prefill": rep.summarize(prefill),
+                       "decode_per_token": rep.summarize(decode)},
+        "roofline": {},
+    }
+    if figures is not None:
+        n_in, b = ns.input_len, ns.batch_size
+        prefill_mean = sum(prefill) / len(prefill)
+        run_entry["roofline"]["prefill"] = step_roofline(
+            facts, figures, tokens=b * n_in, context_tokens=b * n_in, measured_s=prefill_mean,
+            attention_pairs=b * n_in * (n_in + 1) // 2).to_dict()
+        if decode:
+            context = b * (n_in + ns.output_len // 2)  # the mean context over the decode steps
+            run_entry["roofline"]["decode"] = step_roofline(
+                facts, figures, tokens=b, context_tokens=context, measured_s=sum(decode) / len(decode)).to_dict()
+    report = rep.make_report("latency", model if ns.random_weights is None else f"random-{ns.random_weights}",
+                             {k: v for k, v in vars(ns).items() if k != "bench_func"}, [run_entry],
+                             figures.to_dict() if figures else None,
+                             {"e2e_mean_ms": run_entry["latency_ms"]["e2e"]["mean"],
+                              "model_dtype": facts.dtype})
+    text = "\n\n".join([f"pagedserve bench latency: {run_entry['name']}, {ns.num_iters} iterations",
+                        rep.latency_table(run_entry), rep.machine_line(report["machine"]),
+                        rep.roofline_table([run_entry])])
+    common.finish(report, ns, text)
+    return 0

@@ -1,0 +1,154 @@
+"""The load generator of `bench serve` and `tune`: streamed /v1/completions requests against a live
+OpenAI-compatible endpoint, arriving as a Poisson process (or all at once), timed from SSE chunk arrival.
+
+TTFT is the time to the first chunk with a choice; ITL the gaps between such chunks; TPOT
+(e2e - TTFT) / (output tokens - 1); e2e the whole request. Prompts are token ids drawn from the
+server's own tokenization of a text (so every id is in the vocabulary), with `ignore_eos` so output
+lengths are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+from tqdm.auto import tqdm
+
+from pagedserve.cluster.bench.slo import RequestLatency
+from pagedserve.cluster.bench.workload import BenchRequest
+
+SEED_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in fixed-size "
+    "blocks; prefix caching reuses them across requests. def fibonacci(n): return n if n < 2 else "
+    "fibonacci(n - 1) + fibonacci(n - 2). import os, sys; class Engine: def step(self): pass. "
+)
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.ok and self.output_tokens > 1 else None
+
+    def latency(self) -> RequestLatency:
+        if not self.ok:
+            return RequestLatency(ok=False)
+        return RequestLatency(ok=True, ttft=self.ttft, tpot=self.tpot, max_itl=max(self.itls, default=None),
+                              e2e=self.e2e)
+
+
+@dataclass
+class LoadRun:
+    results: list[RequestResult]
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model: str
+    token_ids: list[int]
+    max_model_len: int
+
+
+def server_info(base_url: str, headers: dict[str, str], timeout: float) -> ServerInfo:
+    """The served model's name, ordinary token ids (from /tokenize of a text) and max_model_len."""
+    with httpx.Client(base_url=base_url, headers=headers, timeout=timeout) as client:
+        try:
+            card = client.get("/v1/models").raise_for_status().json()["data"][0]
+            tokens = client.post("/tokenize", json={"prompt": SEED_TEXT, "add_special_tokens": False})
+            ids = sorted(set(tokens.raise_for_status().json()["tokens"]))
+        except httpx.HTTPError as exc:
+            raise ValueError(f"--base-url: {base_url} does not answer as a pagedserve server: {exc!r}") from None
+    return ServerInfo(card["id"], ids, int(card.get("max_model_len") or 0))
+
+
+async def one_request(client: httpx.AsyncClient, model: str, request: BenchRequest) -> RequestResult:
+    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(ok=False, prompt_tokens=len(request.prompt_token_ids))
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"].get("message", "error"))
+                    return result
+                now = time.perf_counter()
+                if event.get("choices"):
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    result.output_tokens = int(event["usage"]["completion_tokens"])
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = repr(exc)
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = last is not None
+    if not result.ok:
+        result.error = "the stream ended without a token"
+    return result
+
+
+async def _run_load(base_url: str, model: str, workload: list[BenchRequest], rate: float,
+                    max_concurrency: int | None, seed: int, headers: dict[str, str], timeout: float,
+                    desc: str) -> LoadRun:
+    rng = np.random.default_rng(seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    limits = httpx.Limits(max_connections=max_concurrency or len(workload), max_keepalive_connections=64)
+    bar = tqdm(total=len(workload), desc=desc, leave=False, dynamic_ncols=True)
+
+    async def guarded(client: httpx.AsyncClient, request: BenchRequest) -> RequestResult:
+        try:
+            if sem is None:
+                return await one_request(client, model, request)
+            async with sem:
+                return await one_request(client, model, request)
+        finally:
+            bar.update(1)
+
+    try:
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as client:
+            tasks = []
+            start = time.perf_counter()
+            for request in workload:
+                tasks.append(asyncio.create_task(guarded(client, request)))
+                if math.isfinite(rate):
+                    await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+            results = list(await asyncio.gather(*tasks))
+            duration = time.perf_counter() - start
+    finally:
+        bar.close()
+    return LoadRun(results, duration)
+
+
+def run_load(base_url: str, model: str, workload: list[BenchRequest], rate: float, max_concurrency: int | None,
+             seed: int, headers: dict[str, str], timeout: float, desc: str = "requests") -> LoadRun:
+    """Send the workload at `rate` requests/s (Poisson; inf: all at once), at most `max_concurrency`
+    in flight; every request is bounded by `timeout` seconds."""
+    return asyncio.run(_run_load(base_url, model, workload, rate, max_concurrency, seed, headers, timeout, desc))

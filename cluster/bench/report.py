@@ -1,0 +1,224 @@
+"""One JSON report shape for every `pagedserve bench` command and `pagedserve tune` (docs/benchmarks.md),
+its JSON Schema, latency summaries and the readable tables printed beside it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+COMMANDS = ("latency", "throughput", "serve", "tune")
+
+_NUMBER = {"type": "number"}
+_NONNEG = {"type": "number", "minimum": 0}
+_COUNT = {"type": "integer", "minimum": 0}
+_SUMMARY = {
+    "type": ["object", "null"],
+    "required": ["count", "mean", "min", "p50", "p90", "p99", "max"],
+    "properties": {"count": {"type": "integer", "minimum": 1}, **{k: _NONNEG for k in
+                                                                   ("mean", "min", "p50", "p90", "p99", "max")}},
+    "additionalProperties": False,
+}
+_STEP_ROOFLINE = {
+    "type": "object",
+    "required": ["steps", "tokens", "context_tokens", "weight_bytes", "kv_bytes", "flops", "t_memory", "t_compute",
+                 "ideal_s", "measured_s", "percent_of_ideal", "verdict"],
+    "properties": {
+        "steps": {"type": "integer", "minimum": 1}, "tokens": {"type": "integer", "minimum": 1},
+        "context_tokens": _COUNT,
+        "weight_bytes": _NONNEG, "kv_bytes": _NONNEG, "flops": _NONNEG, "t_memory": _NONNEG, "t_compute": _NONNEG,
+        "ideal_s": {"type": "number", "exclusiveMinimum": 0}, "measured_s": {"type": "number", "exclusiveMinimum": 0},
+        "percent_of_ideal": {"type": "number", "exclusiveMinimum": 0},
+        "verdict": {"enum": ["memory-bound", "compute-bound", "host-bound"]},
+    },
+}
+_RUN = {
+    "type": "object",
+    "required": ["name", "params", "num_requests", "completed", "failed", "prompt_tokens", "output_tokens",
+                 "duration_s", "throughput", "latency_ms", "roofline"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "params": {"type": "object"},
+        "num_requests": _COUNT, "completed": _COUNT, "failed": _COUNT,
+        "prompt_tokens": _COUNT, "output_tokens": _COUNT,
+        "duration_s": {"type": "number", "exclusiveMinimum": 0},
+        "throughput": {
+            "type": "object", "required": ["requests_per_s", "output_tokens_per_s", "total_tokens_per_s"],
+            "properties": {k: _NONNEG for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")},
+        },
+        "latency_ms": {"type": "object", "additionalProperties": _SUMMARY},
+        "goodput": {
+            "type": "object", "required": ["slo_ms", "requests_per_s", "good_requests", "attainment"],
+            "properties": {"slo_ms": {"type": "object", "additionalProperties": _NONNEG},
+                           "requests_per_s": _NONNEG, "good_requests": _COUNT,
+                           "attainment": {"type": "number", "minimum": 0, "maximum": 1}},
+        },
+        "roofline": {"type": "object", "additionalProperties": _STEP_ROOFLINE},
+        "errors": {"type": "array", "items": {"type": "string"}},
+    },
+}
+REPORT_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "pagedserve benchmark report",
+    "type": "object",
+    "required": ["schema_version", "command", "created", "model", "environment", "config", "machine", "runs",
+                 "summary"],
+    "properties": {
+        "schema_version": {"const": SCHEMA_VERSION},
+        "command": {"enum": list(COMMANDS)},
+        "created": {"type": "string"},
+        "model": {"type": "string"},
+        "environment": {"type": "object", "required": ["pagedserve", "torch", "torch_threads", "cpu_count",
+                                                       "platform"]},
+        "config": {"type": "object"},
+        "machine": {
+            "type": ["object", "null"],
+            "required": ["memory_bandwidth_gb_s", "matmul_gflop_s", "device", "threads", "measured_at"],
+            "properties": {"memory_bandwidth_gb_s": {"type": "number", "exclusiveMinimum": 0},
+                           "matmul_gflop_s": {"type": "object", "minProperties": 1,
+                                              "additionalProperties": {"type": "number", "exclusiveMinimum": 0}}},
+        },
+        "runs": {"type": "array", "minItems": 1, "items": _RUN},
+        "summary": {"type": "object"},
+    },
+}
+
+
+def summarize(values_s: Iterable[float]) -> dict[str, float | int] | None:
+    """Seconds -> {"count", "mean", "min", "p50", "p90", "p99", "max"} in milliseconds; None when empty."""
+    import numpy as np
+
+    arr = np.asarray(list(values_s), dtype=float) * 1e3
+    if arr.size == 0:
+        return None
+    return {"count": int(arr.size), "mean": float(arr.mean()), "min": float(arr.min()),
+            "p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90)),
+            "p99": float(np.percentile(arr, 99)), "max": float(arr.max())}
+
+
+def throughput(num_requests: int, prompt_tokens: int, output_tokens: int, duration_s: float) -> dict[str, float]:
+    return {"requests_per_s": num_requests / duration_s, "output_tokens_per_s": output_tokens / duration_s,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / duration_s}
+
+
+def environment() -> dict[str, Any]:
+    from importlib import metadata
+
+    import torch
+
+    try:
+        version = metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"pagedserve": version, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count() or 0, "platform": platform.platform(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def make_report(command: str, model: str, config: dict[str, Any], runs: list[dict[str, Any]],
+                machine: dict[str, Any] | None, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+    if command not in COMMANDS:
+        raise ValueError(f"command: one of {COMMANDS}, got {command!r}")
+    return {"schema_version": SCHEMA_VERSION, "command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": model, "environment": environment(), "config": _jsonable(config), "machine": machine,
+            "runs": _jsonable(runs), "summary": _jsonable(summary or {})}
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON: tuples as lists, infinite floats as "inf", NaN as null."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def validate_report(report: dict[str, Any]) -> None:
+    """Raise ValueError when `report` does not follow REPORT_SCHEMA (plus p50 <= p99 in every summary)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(report, REPORT_SCHEMA)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(top)"
+        raise ValueError(f"report: {where}: {exc.message}") from None
+    for run in report["runs"]:
+        for name, s in run["latency_ms"].items():
+            if s is not None and not s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"]:
+                raise ValueError(f"report: run {run['name']!r}: latency {name}: percentiles out of order")
+
+
+def write_report(report: dict[str, Any], path: str | Path) -> None:
+    validate_report(report)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON report: {exc}") from None
+    validate_report(report)
+    return report
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Left-aligned first column, right-aligned figures; floats to 4 significant digits or one decimal."""
+    text_rows = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in text_rows]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in text_rows])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf"
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
+    return str(value)
+
+
+def latency_table(run: dict[str, Any]) -> str:
+    rows = [[name, s["mean"], s["p50"], s["p90"], s["p99"]] for name, s in run["latency_ms"].items() if s]
+    return table(["latency (ms)", "mean", "p50", "p90", "p99"], rows)
+
+
+def roofline_table(runs: Sequence[dict[str, Any]]) -> str:
+    rows = []
+    for run in runs:
+        for phase, r in (run.get("roofline") or {}).items():
+            rows.append([f"{run['name']} / {phase}", r["steps"], r["tokens"], r["context_tokens"], r["measured_s"] * 1e3,
+                         r["ideal_s"] * 1e3, f"{r['percent_of_ideal']:.3g}%", r["verdict"]])
+    if not rows:
+        return "(no roofline: the machine figures are not available)"
+    return table(["roofline (one step)", "steps", "tokens", "context", "measured ms", "ideal ms", "of ideal", "verdict"],
+                 rows)
+
+
+def machine_line(machine: dict[str, Any] | None) -> str:
+    if not machine:
+        return "machine: not measured"
+    flops = ", ".join(f"{k} {v:.1f}" for k, v in machine["matmul_gflop_s"].items())
+    return (f"machine ({machine['device']}, {machine['threads']} threads, probed {machine['measured_at']}): "
+            f"memory {machine['memory_bandwidth_gb_s']:.1f} GB/s, matmul GFLOP/s {flops}")

@@ -1,0 +1,255 @@
+"""`pagedserve bench serve`: a server under load, at one or several request rates.
+
+Against `--base-url`, or a server it starts itself for MODEL (`--start-server`: loopback only, shut down
+at the end). Requests arrive as a Poisson process at each `--request-rate` (inf: all at once, a burst),
+at most `--max-concurrency` in flight; TTFT, TPOT, ITL and e2e come out as mean / p50 / p90 / p99.
+With `--slo ttft:500ms,tpot:50ms` each rate also gets its goodput (requests/s meeting every target)
+and the sweep the highest rate that meets it; `--plot` draws latency against load over the rates.
+
+The roofline of a rate's decode step: by Little's law the mean number of sequences decoding at once
+is output tokens/s x mean TPOT; each step is one such batch at the mean context (prompt + half the
+output), measured as the mean TPOT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.cluster.bench import common
+from pagedserve.cluster.bench import report as rep
+from pagedserve.cluster.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
+from pagedserve.cluster.bench.roofline import Machine, ModelFacts, step_roofline
+from pagedserve.cluster.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
+from pagedserve.cluster.bench.workload import BenchRequest, parse_range, synthetic
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [math.inf if r.strip() in ("inf", "") else float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates (or inf), got {text!r}") from None
+    if any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError("request rates must be > 0 (or inf)")
+    return rates
+
+
+def add_load_args(p: argparse.ArgumentParser, num_prompts: int = 100) -> None:
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--request-rate", type=parse_rates, default=[math.inf],
+                   help="requests/s (Poisson); comma-separated for a sweep; inf = all at once (a burst)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", type=parse_range, default=(32, 128), help="N or LOW:HIGH")
+    p.add_argument("--output-len", type=parse_range, default=(16, 64), help="N or LOW:HIGH")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    p.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="share of requests that must meet --slo for a rate to count as meeting it")
+
+
+def add_server_args(p: argparse.ArgumentParser, kv_cache_memory: str = "256MiB") -> None:
+    g = p.add_argument_group("server (with --start-server / tune)")
+    g.add_argument("--port", type=int, default=None, help="(default: a free one; always on 127.0.0.1)")
+    g.add_argument("--kv-cache-memory", default=kv_cache_memory)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--num-cpus-per-engine", type=float, default=None)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="load-test a server (or one it starts) at one or several request rates",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p, random_weights=False)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--start-server", action="store_true", help="start a local server for MODEL first")
+    p.add_argument("--slo", default=None, help="latency targets, e.g. ttft:500ms,tpot:50ms (goodput)")
+    add_load_args(p)
+    add_server_args(p)
+    common.add_output_args(p, plot=True)
+    p.set_defaults(bench_func=run)
+
+
+def check_load_args(ns: argparse.Namespace) -> dict[str, float] | None:
+    common.positive("--num-prompts", ns.num_prompts)
+    if ns.max_concurrency is not None:
+        common.positive("--max-concurrency", ns.max_concurrency)
+    if not ns.timeout > 0:
+        raise ValueError(f"--timeout: must be > 0, got {ns.timeout}")
+    if not 0 < ns.slo_attainment <= 1:
+        raise ValueError(f"--slo-attainment: must be in (0, 1], got {ns.slo_attainment}")
+    return parse_slo(ns.slo) if ns.slo else None
+
+
+# --------------------------------------------------------------------------- a local server
+
+
+@dataclass
+class LocalServer:
+    """A server this process started on 127.0.0.1 (`start_server`), stopped by `stop()`."""
+
+    url: str
+    app_name: str
+
+    @classmethod
+    def start(cls, model: str, port: int, settings: dict[str, Any]) -> "LocalServer":
+        if not os.environ.get("RAY_ADDRESS"):
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local Ray on loopback, as the tests run it
+        from pagedserve.cluster.serve_app import server_url, start_server
+        from pagedserve.cluster.serving.settings import ServeArgs
+
+        args = ServeArgs(model=model, host="127.0.0.1", port=port, **settings)
+        print(f"starting a server for {args.model} on 127.0.0.1:{port} ({settings}) ...", file=sys.stderr,
+              flush=True)
+        start_server(args)
+        return cls(server_url(args), args.app_name)
+
+    def stop(self, everything: bool = True) -> None:
+        """Delete the app (its engines stop); with `everything`, shut Serve down too."""
+        from pagedserve.cluster.serve_app import shutdown_server
+
+        shutdown_server(None if everything else self.app_name)
+
+
+def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
+    settings: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "dtype": ns.dtype}
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_cpus_per_engine", "api_key"):
+        if getattr(ns, name, None) is not None:
+            settings[name] = getattr(ns, name)
+    return settings
+
+
+# --------------------------------------------------------------------------- one rate
+
+
+def run_entry(load: LoadRun, name: str, params: dict[str, Any], slo: dict[str, float] | None,
+              facts: ModelFacts | None, machine: Machine | None) -> dict[str, Any]:
+    """One rate's run in the report's shape (goodput with an SLO, the decode roofline with figures)."""
+    done = [r for r in load.results if r.ok]
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    duration = load.duration_s
+    tpots = [t for r in done if (t := r.tpot) is not None]
+    entry: dict[str, Any] = {
+        "name": name, "params": params, "num_requests": len(load.results), "completed": len(done),
+        "failed": len(load.results) - len(done), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "duration_s": duration, "throughput": rep.throughput(len(done), prompt_tokens, output_tokens, duration),
+        "latency_ms": {"ttft": rep.summarize(r.ttft for r in done), "tpot": rep.summarize(tpots),
+                       "itl": rep.summarize(x for r in done for x in r.itls),
+                       "e2e": rep.summarize(r.e2e for r in done)},
+        "roofline": {},
+        "errors": sorted({r.error for r in load.results if not r.ok})[:5],
+    }
+    if slo:
+        entry["goodput"] = {"slo_ms": {k: v * 1e3 for k, v in slo.items()},
+                            **goodput([r.latency() for r in load.results], slo, duration)}
+    if facts is not None and machine is not None and tpots and done:
+        tpot_mean = sum(tpots) / len(tpots)
+        batch = max(1, round(entry["throughput"]["output_tokens_per_s"] * tpot_mean))
+        mean_context = (prompt_tokens + output_tokens / 2) / len(done)
+        entry["roofline"]["decode"] = step_roofline(facts, machine, tokens=batch,
+                                                    context_tokens=round(batch * mean_context),
+                                                    measured_s=tpot_mean).to_dict()
+    return entry
+
+
+def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse.Namespace,
+          slo: dict[str, float] | None, facts: ModelFacts | None, machine: Machine | None,
+          params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Run the workload at every --request-rate; one report run each."""
+    runs = []
+    for rate in ns.request_rate:
+        point = {**(params or {}), "request_rate": rate_label(rate), "max_concurrency": ns.max_concurrency}
+        name = ", ".join(f"{k} {v}" for k, v in point.items() if v is not None)
+        load = run_load(url, info.model, workload, rate, ns.max_concurrency, ns.seed, headers or {}, ns.timeout,
+                        desc=f"rate {rate_label(rate)}")
+        runs.append(run_entry(load, name, point, slo, facts, machine))
+    return runs
+
+
+def check_fits(info: ServerInfo, ns: argparse.Namespace) -> None:
+    if info.max_model_len and ns.input_len[1] + ns.output_len[1] > info.max_model_len:
+        raise ValueError(f"--input-len + --output-len: up to {ns.input_len[1] + ns.output_len[1]} tokens exceed "
+                         f"the server's max_model_len {info.max_model_len}")
+
+
+def sweep_summary(runs: list[dict[str, Any]], slo: dict[str, float] | None, min_attainment: float) -> dict:
+    summary: dict[str, Any] = {"max_output_tokens_per_s": max(r["throughput"]["output_tokens_per_s"] for r in runs)}
+    if slo:
+        pairs = [(float(r["params"]["request_rate"]), r["goodput"]["attainment"]) for r in runs]
+        summary["slo_ms"] = {k: v * 1e3 for k, v in slo.items()}
+        summary["slo_attainment"] = min_attainment
+        summary["max_rate_meeting_slo"] = max_rate_meeting_slo(pairs, min_attainment)
+        summary["max_goodput_requests_per_s"] = max(r["goodput"]["requests_per_s"] for r in runs)
+    return summary
+
+
+def runs_table(runs: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in runs:
+        t, lat = r["throughput"], r["latency_ms"]
+        good = r.get("goodput")
+        rows.append([r["name"], f"{r['completed']}/{r['num_requests']}", t["requests_per_s"],
+                     t["output_tokens_per_s"], *((lat[k] or {}).get(s) for k, s in
+                                                 (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"),
+                                                  ("tpot", "p99"), ("itl", "p99"), ("e2e", "p99"))),
+                     good["requests_per_s"] if good else None,
+                     f"{good['attainment']:.0%}" if good else None])
+    return rep.table(["point", "done", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+                      "ITL p99", "E2E p99", "goodput", "in SLO"], rows)
+
+
+def run(ns: argparse.Namespace) -> int:
+    slo = check_load_args(ns)
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    figures = common.machine(ns)
+    server = None
+    model = ns.model
+    try:
+        if ns.start_server:
+            if model is None:
+                from pagedserve.engine.models.default_model import resolve_default_model
+
+                model = resolve_default_model()
+            from pagedserve.cluster.ray_utils import free_port
+
+            server = LocalServer.start(model, ns.port or free_port(), server_settings(ns))
+            ns.base_url = server.url
+        info = server_info(ns.base_url, headers, ns.timeout)
+        check_fits(info, ns)
+        facts = None
+        if figures is not None and model is not None:
+            from pagedserve.cluster.bench.roofline import model_facts
+
+            facts = model_facts(model, ns.dtype)
+        workload = synthetic(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, info.token_ids)
+        runs = sweep(ns.base_url, info, workload, ns, slo, facts, figures, headers=headers)
+    finally:
+        if server is not None:
+            server.stop()
+    summary = sweep_summary(runs, slo, ns.slo_attainment)
+    config = {k: v for k, v in vars(ns).items() if k not in ("bench_func", "api_key")}
+    report = rep.make_report("serve", model or info.model, config, runs, figures.to_dict() if figures else None,
+                             summary)
+    parts = [f"pagedserve bench serve: {info.model} at {ns.base_url}", runs_table(runs)]
+    for r in runs:
+        parts.append(f"{r['name']}:\n{rep.latency_table(r)}")
+    if slo:
+        parts.append(f"SLO {ns.slo} (>= {ns.slo_attainment:.0%} of requests): highest rate meeting it: "
+                     f"{summary['max_rate_meeting_slo']}; best goodput {summary['max_goodput_requests_per_s']:.2f} "
+                     "req/s")
+    if facts is None and figures is not None:
+        parts.append("(roofline: give MODEL, the served model's path, to see it)")
+    parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]
+    if ns.plot:
+        from pagedserve.cluster.bench.plots import plot_latency_vs_load
+
+        plot_latency_vs_load(runs, ns.plot)
+        parts.append(f"wrote {ns.plot}")
+    common.finish(report, ns, "\n\n".join(parts))
+    return 0 if all(r["failed"] == 0 for r in runs) else 1

@@ -1,0 +1,160 @@
+"""`pagedserve bench throughput`: offline throughput of a whole workload through `LLM.generate`.
+
+The workload is synthetic (`--num-prompts` requests of `--input-len` / `--output-len` tokens, each a
+number or a LOW:HIGH range; `--prefix-len` gives them shared prefixes) or a dataset file (`--dataset`:
+JSONL prompts or a ShareGPT JSON file). Every request produces exactly its output length
+(`ignore_eos`). `--baseline hf` then runs HF transformers `generate` with static batching at its best
+batch size on the same weights, dtype and workload in the same process, and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from typing import Any
+
+from pagedserve.cluster.bench import common
+from pagedserve.cluster.bench import report as rep
+from pagedserve.cluster.bench.roofline import model_facts, run_roofline
+from pagedserve.cluster.bench.workload import (
+    BenchRequest, load_dataset, parse_range, synthetic, totals, vocab_token_ids,
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="offline throughput of a workload (optionally against HF generate)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=parse_range, default=(32, 512), help="N or LOW:HIGH (default 32:512)")
+    p.add_argument("--output-len", type=parse_range, default=None,
+                   help="N or LOW:HIGH (default 32:256; with --dataset: N overrides the dataset's lengths)")
+    p.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens before each prompt")
+    p.add_argument("--num-prefixes", type=int, default=8, help="distinct shared prefixes (with --prefix-len)")
+    p.add_argument("--dataset", default=None, help="JSONL prompts or a ShareGPT JSON file instead of synthetic")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: also run HF generate (static batching) on the same workload")
+    p.add_argument("--hf-batch-sizes", default="8,16,32,64",
+                   help="HF static batch sizes to calibrate over (the best one runs the workload)")
+    p.add_argument("--hf-calibration-prompts", type=int, default=32)
+    common.add_engine_args(p)
+    common.add_output_args(p)
+    p.set_defaults(bench_func=run)
+
+
+def make_workload(ns: argparse.Namespace, llm: Any) -> list[BenchRequest]:
+    tokenizer = llm.get_tokenizer()
+    hf_config = llm.llm_engine.config.hf_config
+    if ns.dataset:
+        if ns.output_len is not None and ns.output_len[0] != ns.output_len[1]:
+            raise ValueError("--output-len: with --dataset give one length (N), not a range")
+        output_len = ns.output_len[0] if ns.output_len is not None else None
+        return load_dataset(ns.dataset, tokenizer, ns.num_prompts, ns.seed, output_len,
+                            llm.llm_engine.config.max_model_len)
+    ids = vocab_token_ids(tokenizer, hf_config.vocab_size)
+    requests = synthetic(ns.num_prompts, ns.input_len, ns.output_len or (32, 256), ns.seed, ids)
+    if ns.prefix_len:
+        rng = random.Random(ns.seed + 1)
+        prefixes = [[rng.choice(ids) for _ in range(ns.prefix_len)] for _ in range(ns.num_prefixes)]
+        requests = [BenchRequest(prefixes[i % ns.num_prefixes] + r.prompt_token_ids, r.output_len)
+                    for i, r in enumerate(requests)]
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    if longest > llm.llm_engine.config.max_model_len:
+        raise ValueError(f"--input-len/--output-len/--prefix-len: a request of {longest} tokens exceeds "
+                         f"max_model_len {llm.llm_engine.config.max_model_len}")
+    return requests
+
+
+def check_args(ns: argparse.Namespace) -> None:
+    common.positive("--num-prompts", ns.num_prompts)
+    common.positive("--prefix-len", ns.prefix_len, minimum=0)
+    common.positive("--num-prefixes", ns.num_prefixes)
+    common.positive("--hf-calibration-prompts", ns.hf_calibration_prompts)
+
+
+def run(ns: argparse.Namespace) -> int:
+    check_args(ns)
+    from pagedserve.cluster.bench.hf_baseline import hf_baseline, parse_batch_sizes
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.models.loader import resolve_dtype
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    candidates = parse_batch_sizes(ns.hf_batch_sizes) if ns.baseline == "hf" else []
+    figures = common.machine(ns)
+    runs: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    with common.model_path(ns) as model:
+        llm = LLM(model=model, dtype=ns.dtype, **common.engine_kwargs(ns))
+        try:
+            workload = make_workload(ns, llm)
+            hf_config = llm.llm_engine.config.hf_config
+            max_num_seqs = llm.llm_engine.config.max_num_seqs
+            facts = model_facts(model, ns.dtype, hf_config)
+            prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
+            params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=True)
+            elapsed = time.perf_counter() - start
+            stats = llm.get_stats()
+        finally:
+            llm.shutdown()
+            del llm
+            gc.collect()
+        prompt_tokens, output_tokens = totals(workload)
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        failed = sum(1 for o in outputs if o.error)
+        if produced != output_tokens and not failed:
+            raise RuntimeError(f"produced {produced} output tokens, the workload asks for {output_tokens}")
+        ours: dict[str, Any] = {
+            "name": "pagedserve", "params": {"engine": "pagedserve", "max_num_seqs": max_num_seqs},
+            "num_requests": len(workload), "completed": len(workload) - failed, "failed": failed,
+            "prompt_tokens": prompt_tokens, "output_tokens": produced, "duration_s": elapsed,
+            "throughput": rep.throughput(len(workload), prompt_tokens, produced, elapsed),
+            "latency_ms": {"e2e": rep.summarize(o.metrics.finished_time - o.metrics.arrival_time for o in outputs
+                                                if o.metrics and o.metrics.finished_time),
+                           "ttft": rep.summarize(o.metrics.time_to_first_token for o in outputs
+                                                 if o.metrics and o.metrics.first_token_time)},
+            "roofline": {},
+        }
+        if figures is not None:
+            lengths = [(len(r.prompt_token_ids), r.output_len) for r in workload]
+            batch = min(len(workload), max_num_seqs)
+            ours["roofline"]["run"] = run_roofline(facts, figures, lengths, batch, elapsed).to_dict()
+        runs.append(ours)
+        summary.update(prefix_cache_hit_rate=stats.prefix_cache_hit_rate if stats.prefix_cache_queries else None,
+                       preemptions=stats.num_preemptions, model_dtype=facts.dtype)
+        if ns.baseline == "hf":
+            torch_dtype = resolve_dtype(ns.dtype, hf_config, "cpu")
+            pad = int(getattr(hf_config, "pad_token_id", None) or 0)
+            seconds, best, scores = hf_baseline(model, torch_dtype, workload, candidates, ns.hf_calibration_prompts,
+                                                pad)
+            runs.append({
+                "name": f"HF generate (batch {best})", "params": {"engine": "hf", "batch_size": best},
+                "num_requests": len(workload), "completed": len(workload), "failed": 0,
+                "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "duration_s": seconds,
+                "throughput": rep.throughput(len(workload), prompt_tokens, output_tokens, seconds),
+                "latency_ms": {}, "roofline": {},
+            })
+            if figures is not None:
+                runs[-1]["roofline"]["run"] = run_roofline(facts, figures, lengths, best, seconds).to_dict()
+            summary["hf_calibration_out_tok_s"] = scores
+            summary["ratio_output_tokens_per_s"] = (ours["throughput"]["output_tokens_per_s"]
+                                                    / runs[-1]["throughput"]["output_tokens_per_s"])
+    label = model if ns.random_weights is None else f"random-{ns.random_weights}"
+    report = rep.make_report("throughput", label, {k: v for k, v in vars(ns).items() if k != "bench_func"}, runs,
+                             figures.to_dict() if figures else None, summary)
+    rows = [[r["name"], r["num_requests"], r["prompt_tokens"], r["output_tokens"], r["duration_s"],
+             r["throughput"]["requests_per_s"], r["throughput"]["output_tokens_per_s"],
+             r["throughput"]["total_tokens_per_s"]] for r in runs]
+    parts = [f"pagedserve bench throughput: {label} ({facts.dtype})",
+             rep.table(["engine", "requests", "prompt tok", "output tok", "seconds", "req/s", "out tok/s",
+                        "total tok/s"], rows)]
+    if "ratio_output_tokens_per_s" in summary:
+        parts.append(f"pagedserve / HF output tok/s: {summary['ratio_output_tokens_per_s']:.2f}x")
+    parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]
+    common.finish(report, ns, "\n\n".join(parts))
+    return 0

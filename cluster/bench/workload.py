@@ -1,0 +1,118 @@
+"""Workloads for the benchmarks: seeded synthetic requests (fixed lengths or a LOW:HIGH range) and
+dataset files (JSONL prompts, or a ShareGPT-format JSON file as vLLM reads it).
+
+Every request carries token ids and an exact output length; the benchmarks run them with
+`ignore_eos` so each produces exactly that many tokens, in pagedserve and in any baseline alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MIN_DATASET_TOKENS = 4  # vLLM drops ShareGPT turns shorter than this (prompt or answer)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """"128" or "64:256" -> (low, high), inclusive; argparse type (ArgumentTypeError on bad input)."""
+    low, _, high = str(text).partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH, got {text!r}") from None
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return lo, hi
+
+
+def synthetic(num: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
+              token_ids: Sequence[int]) -> list[BenchRequest]:
+    """`num` requests of random tokens drawn from `token_ids`, lengths uniform in the given ranges."""
+    if num < 1:
+        raise ValueError(f"--num-prompts: must be >= 1, got {num}")
+    if not token_ids:
+        raise ValueError("synthetic workload: no token ids to draw from")
+    rng = random.Random(seed)
+    return [BenchRequest([rng.choice(token_ids) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
+            for _ in range(num)]
+
+
+def vocab_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
+    """Ordinary token ids of the model: the vocabulary minus the tokenizer's special tokens."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return [i for i in range(vocab_size) if i not in special]
+
+
+def load_dataset(path: str | Path, tokenizer: Any, num: int, seed: int, output_len: int | None = None,
+                 max_model_len: int | None = None) -> list[BenchRequest]:
+    """Requests from a dataset file, sampled (seeded) down to `num`.
+
+    - `*.jsonl`: one object a line with "prompt" (text) and optionally "output_len" (or "max_tokens");
+    - `*.json`: ShareGPT format, a list of {"conversations": [{"from": "human", "value": ...},
+      {"from": "gpt", "value": ...}, ...]}: the first human turn is the prompt and the length of the
+      answer that follows it (in tokens) is the output length, as vLLM's benchmark reads it.
+
+    `output_len` overrides every request's output length. Pairs under 4 tokens either way, or longer
+    than `max_model_len` together, are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--dataset: {str(path)!r} is not a file")
+    pairs: list[tuple[str, int | None, str | None]] = []  # (prompt, output_len, answer text)
+    try:
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise ValueError(f"--dataset: {path.name} line {n}: expected an object with a \"prompt\" string")
+                length = row.get("output_len", row.get("max_tokens"))
+                pairs.append((row["prompt"], int(length) if length is not None else None, None))
+        else:
+            data = json.loads(path.read_text())
+            if not isinstance(data, list):
+                raise ValueError(f"--dataset: {path.name}: a ShareGPT file is a JSON list of conversations")
+            for item in data:
+                turns = item.get("conversations") if isinstance(item, dict) else None
+                if not turns or len(turns) < 2:
+                    continue
+                if turns[0].get("from") != "human" or not isinstance(turns[0].get("value"), str):
+                    continue
+                pairs.append((turns[0]["value"], None, str(turns[1].get("value", ""))))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--dataset: {path.name}: not valid JSON: {exc}") from None
+    random.Random(seed).shuffle(pairs)
+    requests: list[BenchRequest] = []
+    for prompt, length, answer in pairs:
+        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if output_len is not None:
+            length = output_len
+        elif length is None:
+            length = len(tokenizer(answer or "", add_special_tokens=False)["input_ids"])
+        if len(ids) < MIN_DATASET_TOKENS or length < MIN_DATASET_TOKENS:
+            continue
+        if max_model_len is not None and len(ids) + length > max_model_len:
+            continue
+        requests.append(BenchRequest(ids, length))
+        if len(requests) == num:
+            break
+    if not requests:
+        raise ValueError(f"--dataset: {path.name}: no usable prompt (need >= {MIN_DATASET_TOKENS} tokens each way"
+                         + (f" and at most {max_model_len} together)" if max_model_len else ")"))
+    return requests
+
+
+def totals(requests: Sequence[BenchRequest]) -> tuple[int, int]:
+    """(prompt tokens, output tokens) of a workload."""
+    return sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)
