@@ -28,11 +28,18 @@ def test_seeded_requests_sample_on_cuda_and_do_not_depend_on_the_batch(tiny_llam
 
 
 def test_kv_cache_is_sized_from_gpu_memory(tiny_llama):
+    import gc
+
     free, total = torch.cuda.mem_get_info()
-    small = _llm(tiny_llama, gpu_memory_utilization=0.05 + (total - free) / total)
-    large = _llm(tiny_llama, gpu_memory_utilization=0.10 + (total - free) / total)
-    assert small.llm_engine.engine_core.num_blocks < large.llm_engine.engine_core.num_blocks
-    del small, large
+    blocks = []
+    for share in (0.05, 0.10):
+        llm = _llm(tiny_llama, gpu_memory_utilization=share + (total - free) / total)
+        blocks.append(llm.llm_engine.engine_core.num_blocks)
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert 0 < blocks[0] < blocks[1]
 
 
 def test_greedy_matches_hf_on_cuda(tiny_llama):
