@@ -1,0 +1,157 @@
+"""The torch_p2p wire protocol: control frames on a socket, data as tensors on a 2-rank group.
+
+Control (consumer -> producer, one TCP connection per peer pair): frames of a 4-byte big-endian
+length and a JSON object - never pickle, so a peer can send nothing but data:
+
+    {"op": "hello", "pair": KEY, "backend": "gloo" | "nccl"}   first frame; KEY names the pair's group
+    {"op": "read", "spec": {ReadSpec fields}}                  serve one read (layers in spec order)
+    {"op": "release", "id": REMOTE_REQUEST_ID}                 the reader is done with a request
+    {"op": "bye"}                                              the consumer closes the pair
+
+Data (producer -> consumer, on the pair's process group, in request order): per requested layer, a
+status tensor (uint8[STATUS_BYTES]: byte 0 = OK/ERROR, bytes 1-4 = message length, then the UTF-8
+message), then K, then V ([tokens, heads, head_size] each). A read that fails on the producer (an
+expired hold, a spec this rank cannot serve) still sends every layer's three messages - status
+ERROR and zero-filled placeholders of the requested shape - so the stream stays aligned and the
+consumer can post all of a read's receives up front.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from pagedserve.kv_transfer.kv_source import ReadSpec
+
+STATUS_BYTES = 256
+STATUS_OK = 0
+STATUS_ERROR = 1
+MAX_FRAME = 1 << 20  # control frames are small; anything larger is a protocol error
+_LEN = struct.Struct(">I")
+
+
+class ProtocolError(ConnectionError):
+    """A peer sent something that is not this protocol."""
+
+
+# ---------------------------------------------------------------------- control frames
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME}")
+    return _LEN.pack(len(body)) + body
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
+    """The next control frame, or None when the peer closed the connection cleanly between frames."""
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    (length,) = _LEN.unpack(head)
+    if length > MAX_FRAME:
+        raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_FRAME}")
+    body = _recv_exact(sock, length)
+    if body is None:
+        raise ProtocolError("connection closed inside a control frame")
+    try:
+        message = json.loads(body)
+    except ValueError as exc:
+        raise ProtocolError(f"control frame is not JSON: {exc}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise ProtocolError(f"control frame without an op: {message!r:.200}")
+    return message
+
+
+def spec_to_json(spec: ReadSpec) -> dict[str, Any]:
+    d = asdict(spec)
+    d["block_ids"] = list(spec.block_ids)
+    d["layers"] = list(spec.layers)
+    # JSON has no infinity; None means "no expiry".
+    d["expires_at"] = None if spec.expires_at == float("inf") else spec.expires_at
+    return d
+
+
+def spec_from_json(d: dict[str, Any]) -> ReadSpec:
+    """Rebuild a ReadSpec from a control frame; ValueError on anything malformed."""
+    try:
+        expires = d.get("expires_at")
+        spec = ReadSpec(
+            remote_request_id=str(d["remote_request_id"]),
+            block_ids=tuple(int(b) for b in d["block_ids"]),
+            token_start=int(d["token_start"]),
+            token_end=int(d["token_end"]),
+            layers=tuple(int(l) for l in d["layers"]),
+            head_start=int(d["head_start"]),
+            head_end=int(d["head_end"]),
+            expires_at=float("inf") if expires is None else float(expires),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed read spec: {exc!r}") from None
+    check_spec_shape(spec)
+    return spec
+
+
+def check_spec_shape(spec: ReadSpec) -> None:
+    """The sizes both sides derive from a spec must be sane before anything is allocated."""
+    if spec.num_tokens <= 0 or spec.head_end <= spec.head_start or not spec.layers:
+        raise ValueError(f"read of request {spec.remote_request_id}: empty or negative range "
+                         f"(tokens [{spec.token_start}, {spec.token_end}), heads [{spec.head_start}, "
+                         f"{spec.head_end}), layers {spec.layers})")
+    if list(spec.layers) != sorted(set(spec.layers)):
+        raise ValueError(f"read of request {spec.remote_request_id}: layers {spec.layers} are not ascending")
+
+
+# ---------------------------------------------------------------------- data messages
+
+
+def layer_shape(spec: ReadSpec, head_size: int) -> tuple[int, int, int]:
+    """The shape of one layer's K (and V) in a read: [tokens, heads, head_size]."""
+    return spec.num_tokens, spec.head_end - spec.head_start, head_size
+
+
+def encode_status(error: str | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    out = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
+    if error is not None:
+        msg = error.encode("utf-8", "replace")[: STATUS_BYTES - 5]
+        out[0] = STATUS_ERROR
+        out[1:5] = torch.tensor(list(_LEN.pack(len(msg))), dtype=torch.uint8)
+        if msg:
+            out[5 : 5 + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+    return out.to(device)
+
+
+def decode_status(status: torch.Tensor) -> str | None:
+    """None for OK, else the producer's error message."""
+    raw = bytes(status.cpu().tolist())
+    if len(raw) != STATUS_BYTES:
+        raise ProtocolError(f"status message of {len(raw)} bytes, expected {STATUS_BYTES}")
+    if raw[0] == STATUS_OK:
+        return None
+    if raw[0] != STATUS_ERROR:
+        raise ProtocolError(f"unknown status {raw[0]}")
+    (length,) = _LEN.unpack(raw[1:5])
+    return raw[5 : 5 + min(length, STATUS_BYTES - 5)].decode("utf-8", "replace") or "unknown producer error"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown KV dtype {name!r}")
+    return dtype
