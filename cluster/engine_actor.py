@@ -202,10 +202,29 @@ class EngineActor:
         out["incarnation"] = self.incarnation
         out["stats_time"] = now  # orders answers of one incarnation (concurrent polls may arrive out of order)
         out["num_stream_outputs"] = self._num_stream_outputs
+        out["kv_transfer"] = dict(stats.scheduler.kv_transfer or {})
         return out
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    # ------------------------------------------------------------------ KV transfer (cluster/pd)
+
+    async def kv_rank_actors(self) -> list:
+        """Per rank, the actor a PD consumer reads that rank's KV from: None for a rank in this process."""
+        from pagedserve.cluster.pd.rank_server import rank_actors
+
+        return rank_actors(self.engine)
+
+    async def kv_read(self, rank: int, token: str, spec: Any, layers: list[int]) -> list:
+        """A PD consumer reads the KV of a rank in this process (off the event loop)."""
+        from pagedserve.cluster.pd.rank_server import read_local
+
+        return await asyncio.to_thread(read_local, self.engine, rank, token, spec, layers)
+
+    async def kv_release(self, request_id: str) -> None:
+        """A PD consumer is done with a finished prefill's KV: free its blocks."""
+        self.engine.release_kv([request_id])
 
     def shutdown(self) -> None:
         self._stopped.set()
