@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedserve.cluster.engine_actor import EngineActor
+from pagedserve.cluster.placement import with_engine_kv_share
 from pagedserve.cluster.routing_policy import prefix_hashes
 from pagedserve.cluster.serve_router import short_hash
 from pagedserve.engine.outputs import RequestOutput
@@ -40,6 +41,21 @@ ROUTING_STATS_KEYS = (
 )
 
 
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
+def _reserved_cpus() -> float:
+    import ray
+
+    if not ray.is_initialized():
+        return 0.0
+    return float(sum(v for k, v in ray.get_runtime_context().get_assigned_resources().items()
+                     if k == "CPU" or k.startswith("CPU_group_") and k.count("_") == 2))
+
+
 class PagedServeEngine:
     """The body of one engine replica (the Serve deployment wraps it: `serve_app.engine_deployment`)."""
 
@@ -50,6 +66,8 @@ class PagedServeEngine:
             self.replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit tests)
             self.replica = "local"
+        self.node_id = _node_id()
+        engine_kwargs = with_engine_kv_share(engine_kwargs, _reserved_cpus())
         self.actor = EngineActor(engine_kwargs, 0, max_pending_requests=max_pending_requests,
                                  stall_timeout_s=stall_timeout_s)
         self.block_size = self.actor.engine.config.block_size
@@ -57,7 +75,11 @@ class PagedServeEngine:
         logger.info("engine replica %s ready: %d KV blocks", self.replica, self.actor.engine.engine.engine_core.num_blocks)
 
     async def ready(self) -> dict:
-        return {**(await self.actor.ready()), "replica": self.replica}
+        """The engine's settings, this replica, and the Ray nodes it and its TP/PP ranks run on."""
+        group = getattr(self.actor.engine.engine.engine_core.executor, "group", None)
+        rank_nodes = [rank.node_id for rank in group.ranks] if group is not None else [self.node_id]
+        return {**(await self.actor.ready()), "replica": self.replica, "node_id": self.node_id,
+                "rank_node_ids": rank_nodes}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

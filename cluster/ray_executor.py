@@ -38,6 +38,7 @@ class RayExecutor(Executor):
             num_cpus_per_worker=config.num_cpus_per_worker,
             use_gpu=use_gpu,
             strategy=config.placement_group_strategy,
+            placement_timeout_s=config.placement_timeout_s,
         )
         # Inside a Serve engine replica, the replica's placement group holds the ranks (after bundle 0,
         # the replica's own): Serve schedules and replaces the replica and its ranks together.

@@ -127,6 +127,26 @@ def engine_deployment_options(args: ServeArgs, cluster_resources: dict[str, floa
     return options
 
 
+def check_engine_placeable(args: ServeArgs, options: dict[str, Any]) -> None:
+    """Raise ValueError (before any replica starts) when no node or set of nodes can ever hold one engine
+    replica: its placement-group bundles (TP/PP > 1) or its actor's resources."""
+    from pagedserve.cluster.placement import check_placeable
+
+    if "placement_group_bundles" in options:
+        bundles, strategy = options["placement_group_bundles"], options["placement_group_strategy"]
+        layout = (f"one engine replica: tp={args.tensor_parallel_size} x pp={args.pipeline_parallel_size}, "
+                  f"a bundle of {bundles[0]} for the replica and {len(bundles) - 1} rank bundles of {bundles[-1]}")
+        fix = ("lower num_cpus_per_worker / num_cpus_per_engine, tensor_parallel_size or pipeline_parallel_size, "
+               "choose a placement_group_strategy that may span nodes, or add nodes")
+    else:
+        actor = options["ray_actor_options"]
+        bundles = [{"CPU": float(actor.get("num_cpus", 0)), "GPU": float(actor.get("num_gpus", 0))}]
+        strategy = "PACK"
+        layout = f"one engine replica (tp=1 x pp=1) needing {bundles[0]}"
+        fix = "lower num_cpus_per_engine, or add nodes with more resources"
+    check_placeable(bundles, strategy, layout, fix)
+
+
 def _cluster_resources() -> dict[str, float]:
     import ray
 
@@ -142,6 +162,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     validated = ServeArgs.model_validate(args)
     resources = _cluster_resources()
     options = engine_deployment_options(validated, resources)
+    if resources:  # on a live cluster (serve deploy / serve run): an engine it can never place fails now
+        check_engine_placeable(validated, options)
     engine_kwargs = pinned_engine_kwargs(validated.engine_kwargs(),
                                          plan_engine_placement(validated.engine_kwargs(), resources))
     engine = serve.deployment(PagedServeEngine).options(**options).bind(

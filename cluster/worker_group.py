@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,7 +25,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.cluster.placement import restrict_to_assigned_gpus
+from pagedserve.cluster.placement import (
+    check_placeable,
+    current_node_cpus,
+    kv_share_of_node,
+    restrict_to_assigned_gpus,
+)
 from pagedserve.cluster.ray_utils import free_port, node_ip, tcp_init_method
 from pagedserve.engine.config import EngineConfig
 
@@ -32,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # On a failure, how long to wait for the other ranks of the call to reveal a dead peer (failure path only).
 DEAD_PEER_GRACE_S = 3.0
+# While a busy cluster has not placed the group yet, say what is pending this often.
+WAIT_LOG_PERIOD_S = 30.0
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -71,6 +79,7 @@ class RankInfo:
     node_ip: str = "?"
     pid: int = -1
     actor_id: str = "?"
+    node_id: str = "?"
 
     def describe(self) -> str:
         return f"rank {self.rank} (Ray actor {self.actor_id}, node {self.node_ip}, pid {self.pid})"
@@ -92,12 +101,13 @@ class WorkerActor:
         import torch
 
         torch.set_num_threads(max(1, num_threads))
-        self.config = config
+        self.config = _with_node_kv_share(config, rank)
         self.rank = rank
         self.worker = None
 
-    def node_info(self) -> tuple[str, int, str]:
-        return node_ip(), os.getpid(), ray.get_runtime_context().get_actor_id()
+    def node_info(self) -> tuple[str, int, str, str]:
+        context = ray.get_runtime_context()
+        return node_ip(), os.getpid(), context.get_actor_id(), context.get_node_id()
 
     def rendezvous_address(self) -> str:
         """A torch.distributed init method on this (the first) node, at a port free here."""
@@ -132,6 +142,18 @@ class WorkerActor:
 
 
 RayWorkerActor = ray.remote(concurrency_groups={"kv_transfer": 2})(WorkerActor)
+
+
+def _with_node_kv_share(config: EngineConfig, rank: int) -> EngineConfig:
+    """Without an explicit KV budget, a rank takes its CPU share of its node's default budget: the ranks
+    (and engines) placed on one node then never add up to more than one engine's default."""
+    if config.kv_cache_memory is not None or config.num_kv_blocks is not None or config.resolved_device != "cpu":
+        return config
+    node_cpus = current_node_cpus()
+    share = min(config.kv_cache_memory_share, kv_share_of_node(config.num_cpus_per_worker, node_cpus))
+    logger.info("rank %d: KV budget %.4f of the node's default (%.2f of its %.0f CPUs reserved)", rank, share,
+                config.num_cpus_per_worker, node_cpus)
+    return config.model_copy(update={"kv_cache_memory_share": share})
 
 
 @dataclass
@@ -189,16 +211,13 @@ class WorkerGroup:
         if opts.placement_group is not None:
             pg = opts.placement_group
         else:
-            pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=opts.strategy)
+            bundles = [dict(bundle) for _ in range(self.world_size)]
+            check_placeable(bundles, opts.strategy, self._layout(bundle),
+                            "lower num_cpus_per_worker, tensor_parallel_size or pipeline_parallel_size, "
+                            "choose a placement_group_strategy that may span nodes, or add nodes")
+            pg = placement_group(bundles, strategy=opts.strategy)
             self._resources.placement_group = pg
-        try:
-            ray.get(pg.ready(), timeout=opts.placement_timeout_s)
-        except GetTimeoutError:
-            raise RuntimeError(
-                f"placement group: the cluster did not offer {self.world_size} bundles of {bundle} "
-                f"(strategy {opts.strategy}) within {opts.placement_timeout_s:.0f}s; "
-                f"available: {ray.available_resources()}"
-            ) from None
+        self._wait_placed(pg, bundle)
         threads = max(1, int(opts.num_cpus_per_worker))
         for rank in range(self.world_size):
             actor = RayWorkerActor.options(
@@ -210,8 +229,8 @@ class WorkerGroup:
                 ),
             ).remote(self.config, rank, threads)
             self._resources.actors.append(actor)
-        for info, (ip, pid, actor_id) in zip(self.ranks, self._submit(lambda actor: actor.node_info.remote()).result()):
-            info.node_ip, info.pid, info.actor_id = ip, pid, actor_id
+        for info, answer in zip(self.ranks, self._submit(lambda actor: actor.node_info.remote()).result()):
+            info.node_ip, info.pid, info.actor_id, info.node_id = answer
         # Rank 0 sits in bundle 0, on the group's first node: it hosts the rendezvous.
         self.distributed_init_method = self._gather([self.actors[0].rendezvous_address.remote()], [0]).result()[0]
         self._submit(lambda actor: actor.init_worker.remote(self.distributed_init_method)).result()
@@ -221,6 +240,33 @@ class WorkerGroup:
             self.world_size, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
             sorted({r.node_ip for r in self.ranks}), self.distributed_init_method,
         )
+
+    def _layout(self, bundle: dict[str, float]) -> str:
+        return (f"tp={self.config.tensor_parallel_size} x pp={self.config.pipeline_parallel_size}: "
+                f"{self.world_size} ranks of {bundle} each")
+
+    def _wait_placed(self, pg: PlacementGroup, bundle: dict[str, float]) -> None:
+        """Wait (at most placement_timeout_s) for a cluster that could hold the group but is busy, saying
+        every WAIT_LOG_PERIOD_S what is pending."""
+        opts = self.options
+        deadline = time.monotonic() + opts.placement_timeout_s
+        ready = pg.ready()
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ray.get(ready, timeout=max(0.001, min(WAIT_LOG_PERIOD_S, left)))
+                return
+            except GetTimeoutError:
+                pass
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"placement group: the cluster did not offer {self.world_size} bundles of {bundle} "
+                    f"(strategy {opts.strategy}) within {opts.placement_timeout_s:.0f}s (placement_timeout_s); "
+                    f"available: {ray.available_resources()}"
+                ) from None
+            logger.warning("waiting for the placement group of %s (strategy %s): %.0fs left; available now: %s",
+                           self._layout(bundle), opts.strategy, deadline - time.monotonic(),
+                           ray.available_resources())
 
     @property
     def actors(self) -> list:

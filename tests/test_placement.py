@@ -95,3 +95,62 @@ def test_too_few_gpus_for_all_engines_is_logged(caplog):
         assert not caplog.records
         placement.warn_if_gpus_short(5, kwargs, GPU_CLUSTER)
     assert "need 10 GPU(s)" in caplog.text
+
+
+# --------------------------------------------------------------------------- can the cluster ever place it
+
+
+def _rank(cpus: float, gpus: float = 0) -> dict:
+    return {"CPU": cpus, "GPU": gpus}
+
+
+@pytest.mark.parametrize(
+    ("bundles", "strategy", "nodes", "expected"),
+    [
+        ([_rank(1)] * 4, "PACK", [{"CPU": 2}], False),  # TP2 x PP2 on one 2-CPU node
+        ([_rank(0.5)] * 4, "PACK", [{"CPU": 2}], True),
+        ([_rank(1)] * 4, "PACK", [{"CPU": 2}, {"CPU": 2}], True),  # PACK may span nodes
+        ([_rank(1)] * 4, "SPREAD", [{"CPU": 2}, {"CPU": 2}], True),
+        ([_rank(1)] * 4, "STRICT_PACK", [{"CPU": 2}, {"CPU": 2}], False),  # one node for all
+        ([_rank(1)] * 2, "STRICT_SPREAD", [{"CPU": 8}], False),  # one node per bundle
+        ([_rank(1)] * 2, "STRICT_SPREAD", [{"CPU": 1}, {"CPU": 1}], True),
+        ([_rank(1, 1)] * 2, "PACK", [{"CPU": 64, "GPU": 1}], False),
+        ([_rank(1, 1)] * 2, "PACK", [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}], True),
+        # the replica's bundle beside its ranks: 1.5 + 3 x 1 CPUs over nodes of 2 and 3 CPUs
+        ([_rank(1.5)] + [_rank(1)] * 3, "PACK", [{"CPU": 2}, {"CPU": 3}], True),
+        ([_rank(1.5)] + [_rank(1)] * 4, "PACK", [{"CPU": 2}, {"CPU": 3}], False),
+        ([_rank(1.5), _rank(1.5)], "PACK", [{"CPU": 2}, {"CPU": 1}], False),  # fits in sum, not per node
+        ([], "PACK", [], True),
+    ],
+)
+def test_can_place_is_exact_per_strategy(bundles, strategy, nodes, expected):
+    assert placement.can_place(bundles, strategy, nodes) is expected
+
+
+def test_unplaceable_layout_fails_at_once_naming_the_layout_and_the_offer():
+    with pytest.raises(ValueError, match=r"tp=2 x pp=2.*never can: its 1 node\(s\): \{'CPU': 2.0\}.*num_cpus_per_worker"):
+        placement.check_placeable([_rank(1)] * 4, "PACK", "tp=2 x pp=2: 4 ranks of {'CPU': 1.0} each",
+                                  "lower num_cpus_per_worker", nodes=[{"CPU": 2.0}], autoscales=False)
+
+
+def test_unplaceable_layout_on_an_autoscaling_cluster_only_warns(caplog):
+    with caplog.at_level("WARNING", logger="pagedserve.cluster.placement"):
+        placement.check_placeable([_rank(1)] * 4, "PACK", "tp=2 x pp=2", "fix", nodes=[{"CPU": 2.0}], autoscales=True)
+    assert "waiting for the autoscaler" in caplog.text
+
+
+def test_autoscaling_override_from_the_environment(monkeypatch):
+    monkeypatch.setenv(placement.AUTOSCALING_ENV, "1")
+    assert placement.cluster_autoscales()
+    monkeypatch.setenv(placement.AUTOSCALING_ENV, "0")
+    assert not placement.cluster_autoscales()
+
+
+@pytest.mark.parametrize(("reserved", "node", "share"), [(0.5, 2, 0.25), (1, 3, 1 / 3), (4, 2, 1.0), (0, 4, 0.25)])
+def test_kv_share_is_the_cpu_share_of_the_node(reserved, node, share):
+    assert placement.kv_share_of_node(reserved, node) == pytest.approx(share)
+
+
+def test_engine_kv_share_leaves_explicit_budgets_alone():
+    kwargs = {"model": "m", "device": "cpu", "kv_cache_memory": "1GiB"}
+    assert placement.with_engine_kv_share(kwargs, 1.0) == kwargs  # explicit budget (and not in a Ray actor)

@@ -1,0 +1,109 @@
+"""Layouts against what a (local, 2-CPU) Ray cluster offers: a layout it can never place fails at once
+with an error naming it; one that is merely busy waits a bounded placement_timeout_s; and without an
+explicit KV budget the ranks / engines that share a node split one engine's default budget.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pagedserve.engine.config import default_kv_cache_memory  # noqa: E402
+from tests.local_ray import fresh_local_ray  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_cpu_ray():
+    with fresh_local_ray(num_cpus=2):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_autoscaler_override(monkeypatch):
+    from pagedserve.cluster.placement import AUTOSCALING_ENV
+
+    monkeypatch.delenv(AUTOSCALING_ENV, raising=False)
+
+
+def test_tp2_pp2_on_two_cpus_fails_at_once_naming_layout_offer_and_fix(tiny_llama):
+    from pagedserve.engine import LLM
+
+    started = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        LLM(str(tiny_llama), tensor_parallel_size=2, pipeline_parallel_size=2, kv_cache_memory="8MiB")
+    message = str(info.value)
+    assert "tp=2 x pp=2" in message and "4 ranks of {'CPU': 1.0}" in message, message
+    assert "1 node(s): {'CPU': 2.0}" in message and "no autoscaler" in message, message
+    assert "num_cpus_per_worker" in message, message
+    # It did not wait out the placement timeout (300 s by default) to say so.
+    assert time.monotonic() - started < 300
+
+
+def test_autoscaling_cluster_waits_bounded_instead(tiny_llama, monkeypatch, caplog):
+    """Where nodes may still join, the same layout waits (placement_timeout_s), saying what it waits for."""
+    from pagedserve.cluster.placement import AUTOSCALING_ENV
+    from pagedserve.engine import LLM
+
+    monkeypatch.setenv(AUTOSCALING_ENV, "1")
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match=r"within 2s \(placement_timeout_s\)"):
+        LLM(str(tiny_llama), tensor_parallel_size=2, pipeline_parallel_size=2, kv_cache_memory="8MiB",
+            placement_timeout_s=2)
+    assert "waiting for the autoscaler" in caplog.text
+
+
+def test_busy_cluster_waits_bounded_then_names_the_timeout(tiny_llama):
+    """Placeable, but the CPUs are held: a bounded wait, then an error naming the knob."""
+    from pagedserve.engine import LLM
+
+    @ray.remote(num_cpus=2)
+    class Holder:
+        def ping(self) -> int:
+            return 1
+
+    holder = Holder.remote()
+    try:
+        ray.get(holder.ping.remote(), timeout=120)
+        with pytest.raises(RuntimeError, match=r"did not offer 2 bundles .* within 3s \(placement_timeout_s\)"):
+            LLM(str(tiny_llama), tensor_parallel_size=2, kv_cache_memory="8MiB", placement_timeout_s=3)
+    finally:
+        ray.kill(holder)
+
+
+def test_serve_app_that_can_never_be_placed_fails_at_build(tiny_llama):
+    from pagedserve.cluster.serve_app import build_app
+
+    with pytest.raises(ValueError, match=r"tp=2 x pp=2, a bundle of \{'CPU': 1.0\} for the replica and 4 rank"):
+        build_app({"model": str(tiny_llama), "tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"tp=1 x pp=1\) needing \{'CPU': 3.0, 'GPU': 0.0\}.*num_cpus_per_engine"):
+        build_app({"model": str(tiny_llama), "num_cpus_per_engine": 3})
+    build_app({"model": str(tiny_llama), "tensor_parallel_size": 2, "num_cpus_per_worker": 0.5,
+               "num_cpus_per_engine": 0.5})  # fits: no error
+
+
+@pytest.mark.slow
+def test_tp2_pp2_with_default_kv_budget_splits_it_among_the_ranks(tiny_llama):
+    """Four ranks on one 2-CPU node (0.5 CPU each), no kv_cache_memory: each rank budgets a quarter of the
+    node's default, so together they stay within one engine's default; and the engine serves."""
+    from pagedserve.engine import LLM, SamplingParams
+
+    single = default_kv_cache_memory()
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, pipeline_parallel_size=2, num_cpus_per_worker=0.5,
+              dtype="float32")
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        shares = executor.group.call_all(lambda worker: worker.config.kv_cache_memory_share)
+        assert shares == [pytest.approx(0.25)] * 4
+        allocated = executor.group.call_all(
+            lambda worker: sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                               for k, v in worker.model_runner.kv_caches))
+        # Each rank sized its cache from a quarter of the default as it stood then (the default follows the
+        # memory available at each moment: allow a little for that), and all four add up to one default.
+        assert all(a <= 1.05 * single / 4 for a in allocated), (allocated, single)
+        assert sum(allocated) <= 1.05 * single, (allocated, single)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.llm_engine.engine_core.executor.shutdown()
