@@ -42,7 +42,8 @@ class LLMEngine:
         text, request = self.processor.process(request_id, prompt, params, priority, arrival_time)
         if params.n == 1:
             self.output_processor.add_request(
-                request_id, text, request.prompt_token_ids, params, arrival_time, output_kind
+                request_id, text, request.prompt_token_ids, params, arrival_time, output_kind,
+                prefilled_output_ids=request.output_token_ids,
             )
             self.engine_core.add_request(request)
             return

@@ -73,9 +73,13 @@ class OutputProcessor:
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         parent: ParentRequest | None = None,
         index: int = 0,
+        prefilled_output_ids: list[int] = (),
     ) -> None:
+        """`prefilled_output_ids`: a prefill/decode continuation's first output tokens, which its client
+        already has: they count and shape the text (stop strings, detokenization) but DELTA outputs start
+        after them (and carry no logprobs for them)."""
         want_logprobs = params.logprobs is not None
-        self.states[request_id] = RequestState(
+        state = self.states[request_id] = RequestState(
             request_id=request_id,
             index=index,
             parent=parent,
@@ -89,6 +93,12 @@ class OutputProcessor:
             cumulative_logprob=0.0 if want_logprobs else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
+        if prefilled_output_ids:
+            state.token_ids = list(prefilled_output_ids)
+            state.num_tokens_returned = len(state.token_ids)
+            if params.detokenize:
+                state.detokenizer.update(state.token_ids)
+                state.detokenizer.get_next_output_text(finished=False, delta=True)  # already streamed
 
     def abort_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)

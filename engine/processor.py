@@ -16,6 +16,7 @@ from typing import Any, Union
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.request import Request
+from pagedserve.kv_transfer.scheduler_connector import continuation_token_ids
 from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids, check_token_ids
 
 # A prompt: text, or a dict with "prompt_token_ids" (or "prompt").
@@ -156,4 +157,20 @@ class Processor:
             priority=priority,
             bad_words_token_ids=bad_words,
         )
+        for token_id in self._continuation(params, max_tokens):
+            request.append_output_token(token_id)
         return text, request
+
+    def _continuation(self, params: SamplingParams, max_tokens: int) -> list[int]:
+        """A prefill/decode continuation's first output tokens (already sent to the client), validated."""
+        tokens = continuation_token_ids(params.kv_transfer_params)
+        if not tokens:
+            return []
+        where = "kv_transfer_params.continue_remote_output"
+        if params.n != 1:
+            raise ValueError(f"{where}: a continuation carries one completion's tokens; n must be 1")
+        if len(tokens) >= max_tokens:
+            raise ValueError(f"{where}: the producer's {len(tokens)} output tokens leave no room under max_tokens "
+                             f"{max_tokens}")
+        check_token_ids("kv_transfer_params.remote_output_token_ids", tokens, self.vocab_size)
+        return tokens

@@ -73,6 +73,16 @@ def _remote_params(request: ConnectorRequest) -> dict[str, Any] | None:
     return getattr(request.sampling_params, "kv_transfer_params", None)
 
 
+def continuation_token_ids(params: dict[str, Any] | None) -> list[int]:
+    """The producer's output tokens a consumer request continues from (`"continue_remote_output": True`
+    beside a producer's params), else []. The request then starts with them as its first output tokens:
+    the client already has them from the prefill (time to first token is the prefill's), and the
+    consumer computes only their KV and what follows."""
+    if not params or not params.get("do_remote_prefill") or not params.get("continue_remote_output"):
+        return []
+    return [int(t) for t in params.get("remote_output_token_ids") or []]
+
+
 class PDConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, layout: KVLayout, block_size: int) -> None:
         self.config = config
@@ -111,7 +121,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
             logger.warning("request %s computes its prompt here: %s", request.request_id, reason)
             self._fall_back(request)
             return 0
-        return max(0, prompt_len - 1 - num_computed_tokens)
+        # Every known token but the last has KV to load (a continuation's last token is the producer's
+        # output token, whose KV nobody has computed yet); never more than the producer holds.
+        return max(0, min(prompt_len, request.num_tokens - 1) - num_computed_tokens)
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int) -> None:
         params = _remote_params(request)
@@ -183,6 +195,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             "remote_request_id": request.request_id,
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": len(request.prompt_token_ids),
+            "remote_output_token_ids": list(getattr(request, "output_token_ids", [])),
             "remote_layout": self.layout.to_dict(),
             "remote_addresses": list(self.addresses),
             "kv_connector": self.config.kv_connector,

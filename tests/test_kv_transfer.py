@@ -12,6 +12,7 @@ import time
 import pytest
 
 from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 from pagedserve.kv_transfer.layout import KVLayout, check_compatible, plan_reads
 from tests.tiny_models import TINY_ARCHS, VOCAB_SIZE
@@ -229,3 +230,70 @@ def test_incompatible_layouts_are_refused_naming_both():
     b = KVLayout(4, 4, 8, "bfloat16", 16, pp_size=2)
     with pytest.raises(ValueError, match=r"TP=2 PP=1.*TP=1 PP=2.*dtype"):
         check_compatible(b, a)
+
+
+# ---------------------------------------------------------------------- continuation (TTFT = the prefill's token)
+
+
+def _continue(remote: dict) -> dict:
+    return dict(remote, continue_remote_output=True)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=7)])
+def test_a_continuation_starts_from_the_producers_token_and_equals_the_monolithic_output(tiny_llama, sampling):
+    mono, producer, consumer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompts = _prompts(12, [6, 23])
+    common = dict(ignore_eos=True, **sampling)
+    pre = producer.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **common),
+                            use_tqdm=False)
+    got = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(max_tokens=MAX_NEW, kv_transfer_params=_continue(o.kv_transfer_params),
+                                            **common) for o in pre], use_tqdm=False)
+    want = mono.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=MAX_NEW, **common),
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids[:1] for o in pre] == [w.outputs[0].token_ids[:1] for w in want]
+    assert _tokens(got) == _tokens(want)
+    assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
+    # The whole prompt's KV moved (the producer's token is the first position computed here).
+    assert consumer.llm_engine.get_stats().kv_transfer["loaded_tokens"] == sum(len(p) for p in prompts)
+    _all_free(mono, producer, consumer)
+
+
+@pytest.mark.parametrize("seed,stop", [(13, None), (15, ["never-seen-stop"]), (16, None)])
+def test_a_continuation_streams_only_what_follows_the_producers_token(tiny_llama, seed, stop):
+    from pagedserve.engine.output_processor import OutputKind
+
+    mono, producer, consumer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompt = _prompts(seed, [14])[0]
+    want = _greedy(mono, [prompt], stop=stop)[0].outputs[0]
+    remote = _prefill(producer, [prompt])[0]
+    engine = consumer.llm_engine
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=1, stop=stop,
+                            kv_transfer_params=_continue(remote))
+    engine.add_request("c", {"prompt_token_ids": prompt}, params, output_kind=OutputKind.DELTA)
+    tokens, text, logprobs = [], "", []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+            text += out.outputs[0].text
+            logprobs += out.outputs[0].logprobs
+    assert tokens == want.token_ids[1:] and len(logprobs) == len(tokens)
+    prefill_text = producer.get_tokenizer().decode(want.token_ids[:1])
+    assert streamed_text_of_first_tokens(prefill_text, params) + text == want.text
+    _all_free(mono, producer, consumer)
+
+
+def test_a_continuation_is_validated(tiny_llama):
+    producer, consumer = _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompt = _prompts(14, [9])
+    remote = _continue(_prefill(producer, prompt)[0])
+    with pytest.raises(ValueError, match="kv_transfer_params.continue_remote_output.*n must be 1"):
+        consumer.generate([{"prompt_token_ids": prompt[0]}], SamplingParams(n=2, max_tokens=4, kv_transfer_params=remote))
+    with pytest.raises(ValueError, match="kv_transfer_params.continue_remote_output.*max_tokens"):
+        consumer.generate([{"prompt_token_ids": prompt[0]}], SamplingParams(max_tokens=1, kv_transfer_params=remote))
+    with pytest.raises(ValueError, match="remote_output_token_ids"):
+        bad = dict(remote, remote_output_token_ids=[10**9])
+        consumer.generate([{"prompt_token_ids": prompt[0]}], SamplingParams(max_tokens=4, kv_transfer_params=bad))
+    producer.llm_engine.release_kv([remote["remote_request_id"]])
+    _all_free(producer, consumer)

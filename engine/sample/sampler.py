@@ -61,6 +61,9 @@ class SamplingState:
     # Blocked (with params.stop_token_ids) while len(output_token_ids) < params.min_tokens.
     eos_token_ids: set[int] = field(default_factory=set)
     request_id: str = ""
+    # Draws a seeded request's generator skips when it is made: one per output token sampled elsewhere
+    # (a prefill/decode continuation), so it goes on exactly where the producer's generator stopped.
+    pending_draws: int = 0
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """The request's own generator on `device` (made there on first use); None if unseeded."""
@@ -204,7 +207,11 @@ class Sampler:
             try:
                 # A fresh [V] buffer per row keeps the draw independent of batch layout.
                 row = torch.empty(logits.shape[1], device=device)
-                noise[i] = row.exponential_(generator=states[i].generator_for(device))
+                generator = states[i].generator_for(device)
+                while states[i].pending_draws:
+                    row.exponential_(generator=generator)
+                    states[i].pending_draws -= 1
+                noise[i] = row.exponential_(generator=generator)
             except Exception as exc:  # this request's generator: fail it alone
                 errors[i] = describe_failure(exc)
         return noise.clamp_(min=_MIN_NOISE)

@@ -147,6 +147,8 @@ class ModelRunner:
                     bad_words_token_ids=new.bad_words_token_ids,
                     eos_token_ids=set(new.eos_token_ids),
                     request_id=new.req_id,
+                    # Output tokens a new request arrives with were sampled by a prefill engine.
+                    pending_draws=len(output_ids) if params.seed is not None and not params.greedy else 0,
                 ),
                 prompt_logprobs=params.prompt_logprobs,
             )
