@@ -1,0 +1,144 @@
+"""Each `pagedserve bench` command and `pagedserve tune`, run through the CLI on a tiny random-weight
+model with a tiny workload: the JSON report validates against the documented schema and its counts are
+exact. Servers listen on 127.0.0.1 and are shut down by the command; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from pagedserve.cluster.bench.report import REPORT_SCHEMA, validate_report
+from pagedserve.cluster.bench.roofline import machine_figures
+from pagedserve.cluster.cli import main
+from tests.local_ray import fresh_local_ray
+from tests.manifest_checks import build_serve_app, validate_serve_config
+
+
+@pytest.fixture(scope="module")
+def roofline_file(tmp_path_factory):
+    """Machine figures from a tiny probe, so no command measures at full size."""
+    path = tmp_path_factory.mktemp("roofline") / "roofline.json"
+    machine_figures(path, bandwidth_bytes=1 << 20, matmul_side=32, repeats=1)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return str(tiny_model_factory("llama", max_position_embeddings=2048))
+
+
+def _report(path) -> dict:
+    import jsonschema
+
+    report = json.loads(path.read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    validate_report(report)
+    return report
+
+
+def _check_roofline(run: dict, phases: set[str]) -> None:
+    assert set(run["roofline"]) == phases
+    for r in run["roofline"].values():
+        assert r["ideal_s"] > 0 and r["measured_s"] > 0 and r["percent_of_ideal"] > 0
+        assert r["weight_bytes"] > 0 and r["flops"] > 0
+
+
+def test_bench_latency(model, roofline_file, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", model, "--input-len", "8", "--output-len", "4", "--batch-size", "3",
+                 "--num-iters", "2", "--num-iters-warmup", "1", "--kv-cache-memory", "16MiB",
+                 "--roofline-file", roofline_file, "--output-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "decode_per_token" in printed and "roofline" in printed
+    report = _report(out)
+    assert report["command"] == "latency" and report["machine"]["memory_bandwidth_gb_s"] > 0
+    (run,) = report["runs"]
+    assert (run["num_requests"], run["prompt_tokens"], run["output_tokens"]) == (6, 6 * 8, 6 * 4)
+    lat = run["latency_ms"]
+    assert lat["e2e"]["count"] == lat["prefill"]["count"] == lat["decode_per_token"]["count"] == 2
+    assert 0 < lat["prefill"]["mean"] < lat["e2e"]["mean"] and lat["decode_per_token"]["mean"] > 0
+    _check_roofline(run, {"prefill", "decode"})
+    assert run["roofline"]["prefill"]["tokens"] == 24 and run["roofline"]["decode"]["tokens"] == 3
+
+
+def test_bench_throughput_against_hf(model, roofline_file, tmp_path):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", model, "--num-prompts", "5", "--input-len", "4:12", "--output-len", "2:6",
+                 "--baseline", "hf", "--hf-batch-sizes", "2,4", "--hf-calibration-prompts", "2",
+                 "--kv-cache-memory", "16MiB", "--roofline-file", roofline_file, "--output-json", str(out)]) == 0
+    report = _report(out)
+    ours, hf = report["runs"]
+    assert ours["params"]["engine"] == "pagedserve" and hf["params"]["engine"] == "hf"
+    assert hf["params"]["batch_size"] in (2, 4)
+    assert ours["completed"] == 5 and ours["failed"] == 0
+    for key in ("num_requests", "prompt_tokens", "output_tokens"):  # the same workload, token for token
+        assert ours[key] == hf[key]
+    assert 5 * 2 <= ours["output_tokens"] <= 5 * 6 and 5 * 4 <= ours["prompt_tokens"] <= 5 * 12
+    assert report["summary"]["ratio_output_tokens_per_s"] == pytest.approx(
+        ours["throughput"]["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"])
+    _check_roofline(ours, {"run"})
+
+
+def test_bench_throughput_dataset(model, tmp_path):
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "def fibonacci(n): return the n-th number please"},
+                           {"from": "gpt", "value": "The quick brown fox jumps over the lazy dog."}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "too short a prompt"}]},
+    ]))
+    out = tmp_path / "dataset.json"
+    assert main(["bench", "throughput", model, "--dataset", str(data), "--num-prompts", "4", "--output-len", "5",
+                 "--kv-cache-memory", "16MiB", "--no-roofline", "--output-json", str(out)]) == 0
+    report = _report(out)
+    (run,) = report["runs"]
+    assert run["num_requests"] == 1 and run["output_tokens"] == 5 and run["roofline"] == {}
+    assert report["machine"] is None
+
+
+def test_bench_serve_start_server(model, roofline_file, tmp_path):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    with fresh_local_ray(num_cpus=4):
+        rc = main(["bench", "serve", model, "--start-server", "--num-prompts", "4", "--input-len", "4:8",
+                   "--output-len", "3:5", "--request-rate", "8,inf", "--max-concurrency", "4",
+                   "--slo", "ttft:60s,tpot:60s", "--kv-cache-memory", "16MiB", "--timeout", "120",
+                   "--roofline-file", roofline_file, "--output-json", str(out), "--plot", str(png)])
+    assert rc == 0
+    report = _report(out)
+    assert [r["params"]["request_rate"] for r in report["runs"]] == [8.0, "inf"]
+    for run in report["runs"]:
+        assert run["completed"] == 4 and run["failed"] == 0
+        assert 4 * 3 <= run["output_tokens"] <= 4 * 5
+        assert run["latency_ms"]["ttft"]["count"] == 4
+        assert run["goodput"]["good_requests"] == 4 and run["goodput"]["attainment"] == 1.0
+        _check_roofline(run, {"decode"})
+    assert report["summary"]["max_rate_meeting_slo"] == "inf"
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_tune_two_by_two_writes_a_deployable_config(model, roofline_file, tmp_path):
+    out, config_path, png = tmp_path / "tune.json", tmp_path / "tuned.yaml", tmp_path / "tune.png"
+    with fresh_local_ray(num_cpus=4):
+        rc = main(["tune", model, "--slo", "ttft:60s,tpot:60s", "--max-num-seqs", "1,4",
+                   "--max-num-batched-tokens", "32,128", "--num-prompts", "4", "--input-len", "4:8",
+                   "--output-len", "3:5", "--kv-cache-memory", "16MiB", "--timeout", "120",
+                   "--roofline-file", roofline_file, "--output-json", str(out), "--output-config", str(config_path),
+                   "--plot", str(png)])
+    assert rc == 0
+    report = _report(out)
+    assert len(report["runs"]) == 4
+    settings = {(r["params"]["max_num_seqs"], r["params"]["max_num_batched_tokens"]) for r in report["runs"]}
+    assert settings == {(1, 32), (1, 128), (4, 32), (4, 128)}
+    # the best is the one with the most goodput by the command's own measurements
+    best = max(report["runs"], key=lambda r: (r["goodput"]["requests_per_s"],
+                                              r["throughput"]["output_tokens_per_s"]))
+    assert report["summary"]["best"]["params"] == best["params"]
+    config = yaml.safe_load(config_path.read_text())
+    validate_serve_config(config)
+    (app,) = config["applications"]
+    build_serve_app(app, model)  # the app builder accepts it
+    assert app["args"]["max_num_seqs"] == best["params"]["max_num_seqs"]
+    assert app["args"]["max_num_batched_tokens"] == best["params"]["max_num_batched_tokens"]
+    assert png.stat().st_size > 0

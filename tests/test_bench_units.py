@@ -1,0 +1,188 @@
+"""Bench arithmetic on hand-made figures: SLO parsing and goodput, the roofline model, the report schema,
+the README section rewrite and argument errors. No timing is asserted anywhere."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pagedserve.cluster.bench import readme
+from pagedserve.cluster.bench import report as rep
+from pagedserve.cluster.bench.roofline import Machine, ModelFacts, machine_figures, probe, run_roofline, step_roofline
+from pagedserve.cluster.bench.slo import RequestLatency, goodput, max_rate_meeting_slo, meets_slo, parse_slo
+from pagedserve.cluster.bench.tune import pick_best
+from pagedserve.cluster.cli import main
+
+# ----------------------------------------------------------------------------- SLO and goodput
+
+
+def test_parse_slo_units_and_errors():
+    assert parse_slo("ttft:500ms,tpot:50ms") == {"ttft": 0.5, "tpot": 0.05}
+    assert parse_slo("e2e:2s, itl=250us") == {"e2e": 2.0, "itl": 0.00025}
+    assert parse_slo("TTFT:300") == {"ttft": 0.3}  # a bare number is milliseconds
+    for bad, word in [("", "empty"), ("ttft", "cannot parse"), ("latency:5ms", "unknown metric"),
+                      ("ttft:5ms,ttft:6ms", "twice"), ("ttft:0ms", "> 0"), ("ttft:5min", "cannot parse")]:
+        with pytest.raises(ValueError, match=word):
+            parse_slo(bad)
+
+
+def test_goodput_on_hand_made_latencies():
+    slo = {"ttft": 0.5, "tpot": 0.05}
+    requests = [
+        RequestLatency(ok=True, ttft=0.1, tpot=0.01, max_itl=0.02, e2e=1.0),   # good
+        RequestLatency(ok=True, ttft=0.5, tpot=0.05, max_itl=0.3, e2e=2.0),    # good: at the limit counts
+        RequestLatency(ok=True, ttft=0.6, tpot=0.01, max_itl=0.02, e2e=1.0),   # TTFT too slow
+        RequestLatency(ok=True, ttft=0.1, tpot=0.051, max_itl=0.02, e2e=1.0),  # TPOT too slow
+        RequestLatency(ok=True, ttft=0.2, tpot=None, max_itl=None, e2e=0.2),   # one token: no TPOT to miss
+        RequestLatency(ok=False),                                              # failed: never good
+    ]
+    assert [meets_slo(r, slo) for r in requests] == [True, True, False, False, True, False]
+    result = goodput(requests, slo, duration_s=2.0)
+    assert result == {"requests_per_s": 1.5, "good_requests": 3, "attainment": 0.5}
+    assert not meets_slo(RequestLatency(ok=True, ttft=0.1, max_itl=0.3), {"itl": 0.25})
+    with pytest.raises(ValueError, match="duration_s"):
+        goodput(requests, slo, 0.0)
+
+
+def test_max_rate_meeting_slo_reads_the_sweep_from_the_bottom():
+    runs = [(4.0, 0.95), (1.0, 1.0), (math.inf, 0.5), (8.0, 0.9)]
+    assert max_rate_meeting_slo(runs, 0.9) == 8.0
+    assert max_rate_meeting_slo(runs, 0.4) == math.inf
+    assert max_rate_meeting_slo([(1.0, 0.5), (2.0, 1.0)], 0.9) is None  # the lowest misses: none
+    assert max_rate_meeting_slo([(1.0, 1.0), (2.0, 0.5), (4.0, 1.0)], 0.9) == 1.0
+    with pytest.raises(ValueError, match="slo-attainment"):
+        max_rate_meeting_slo(runs, 0.0)
+
+
+def _tune_run(name, goodput_rps, attainment, out_tps):
+    return {"name": name, "goodput": {"requests_per_s": goodput_rps, "attainment": attainment},
+            "throughput": {"output_tokens_per_s": out_tps}}
+
+
+def test_tune_picks_the_most_goodput_inside_the_slo():
+    runs = [_tune_run("a", 5.0, 0.8, 900.0), _tune_run("b", 3.0, 1.0, 300.0), _tune_run("c", 3.0, 0.95, 400.0),
+            _tune_run("d", 2.0, 1.0, 800.0)]
+    assert pick_best(runs, 0.9)["name"] == "c"  # a misses; b and c tie on goodput, c has more tokens/s
+    assert pick_best(runs, 0.7)["name"] == "a"
+    assert pick_best([_tune_run("x", 1.0, 0.1, 1.0)], 0.9) is None
+
+
+# ----------------------------------------------------------------------------- roofline
+
+FACTS = ModelFacts(num_layers=2, hidden_size=4, num_attention_heads=2, num_kv_heads=1, head_dim=2,
+                   intermediate_size=8, vocab_size=10, tie_word_embeddings=False, dtype_bytes=4, dtype="float32")
+MACHINE = Machine(memory_bandwidth=1000.0, matmul_flops={"float32": 10_000.0}, device="test", threads=1,
+                  measured_at="now")
+
+
+def test_model_facts_arithmetic():
+    # per layer: q,o 4*2*2*2 = 32; k,v 4*1*2*2 = 16; mlp 3*4*8 = 96 -> 144; x2 layers + LM head 10*4
+    assert FACTS.matmul_params == 2 * 144 + 40 == 328
+    assert FACTS.weight_bytes == 328 * 4
+    assert FACTS.kv_bytes_per_token == 2 * 2 * 1 * 2 * 4 == 32
+
+
+def test_step_roofline_memory_bound_decode():
+    r = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=2.0)
+    assert r.kv_bytes == 320 and r.weight_bytes == 1312
+    assert r.t_memory == pytest.approx((1312 + 320) / 1000)
+    assert r.flops == 2 * 328 * 2 + 4 * 2 * 2 * 2 * 10
+    assert r.t_compute == pytest.approx(r.flops / 10_000)
+    assert r.ideal_s == r.t_memory and r.verdict == "memory-bound"
+    assert r.percent_of_ideal == pytest.approx(100 * r.ideal_s / 2.0)
+
+
+def test_step_roofline_compute_bound_prefill_and_host_bound():
+    r = step_roofline(FACTS, MACHINE, tokens=512, context_tokens=512, measured_s=40.0,
+                      attention_pairs=512 * 513 // 2)
+    assert r.t_compute > r.t_memory and r.verdict == "compute-bound"
+    slow = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=10.0, steps=1)
+    assert slow.verdict == "host-bound"  # 10 s against an ideal of 1.6 s: more than 4x
+    per_step = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=10.0, steps=10)
+    assert per_step.measured_s == pytest.approx(1.0) and per_step.verdict == "memory-bound"
+    with pytest.raises(ValueError):
+        step_roofline(FACTS, MACHINE, tokens=0, context_tokens=1, measured_s=1.0)
+    with pytest.raises(ValueError):
+        step_roofline(FACTS, MACHINE, tokens=1, context_tokens=1, measured_s=0.0)
+
+
+def test_run_roofline_counts_steps_and_context():
+    r = run_roofline(FACTS, MACHINE, [(4, 3), (2, 1)], batch_size=2, measured_s=4.0)
+    assert r.steps == 2  # 4 output tokens at 2 per step
+    assert r.tokens == 5  # 10 tokens over 2 steps
+    # context: prompts 6 + decode 3*(4+1) + 1*(2+0) = 23 -> 11.5 a step
+    assert r.context_tokens == round(23 / 2)
+    assert r.measured_s == pytest.approx(2.0)
+
+
+def test_probe_smoke_and_cache(tmp_path):
+    machine = probe(bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",), repeats=1)
+    assert machine.memory_bandwidth > 0 and machine.matmul_flops["float32"] > 0
+    path = tmp_path / "roofline.json"
+    first = machine_figures(path, bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",), repeats=1)
+    again = machine_figures(path)  # cached: no probe arguments needed
+    assert again == first
+    assert json.loads(path.read_text())
+    path.write_text("not json")
+    assert machine_figures(path, bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",),
+                           repeats=1).memory_bandwidth > 0
+
+
+# ----------------------------------------------------------------------------- report schema and README
+
+
+def _run(**overrides):
+    run = {"name": "r", "params": {}, "num_requests": 2, "completed": 2, "failed": 0, "prompt_tokens": 8,
+           "output_tokens": 4, "duration_s": 1.0, "throughput": rep.throughput(2, 8, 4, 1.0),
+           "latency_ms": {"e2e": rep.summarize([0.1, 0.3])},
+           "roofline": {"decode": step_roofline(FACTS, MACHINE, 2, 10, 2.0).to_dict()}}
+    return {**run, **overrides}
+
+
+def test_summary_and_schema():
+    s = rep.summarize([0.001, 0.002, 0.003])
+    assert s["count"] == 3 and s["mean"] == pytest.approx(2.0) and s["min"] <= s["p50"] <= s["p99"] <= s["max"]
+    assert rep.summarize([]) is None
+    report = rep.make_report("serve", "m", {"request_rate": [math.inf]}, [_run()], MACHINE.to_dict())
+    rep.validate_report(report)
+    assert report["config"]["request_rate"] == ["inf"]
+    broken = json.loads(json.dumps(report))
+    broken["runs"][0]["latency_ms"]["e2e"]["p50"] = 1e9  # above p99
+    with pytest.raises(ValueError, match="percentiles"):
+        rep.validate_report(broken)
+    broken = json.loads(json.dumps(report))
+    del broken["runs"][0]["throughput"]
+    with pytest.raises(ValueError, match="throughput"):
+        rep.validate_report(broken)
+    with pytest.raises(ValueError, match="command"):
+        rep.make_report("nope", "m", {}, [_run()], None)
+
+
+def test_readme_section_regeneration_is_idempotent(tmp_path):
+    report_path = tmp_path / "serve.json"
+    rep.write_report(rep.make_report("serve", "/models/m", {"num_prompts": 2}, [_run()], MACHINE.to_dict()),
+                     report_path)
+    doc = tmp_path / "README.md"
+    doc.write_text(f"# Title\n\n## Performance\n\n{readme.BEGIN}\nold text\n{readme.END}\n\n## Next\n")
+    assert main(["bench", "report", str(report_path), "--readme", str(doc)]) == 0
+    once = doc.read_text()
+    assert "old text" not in once and "| r | 2/2 |" in once and once.endswith("## Next\n")
+    assert main(["bench", "report", str(report_path), "--readme", str(doc)]) == 0
+    assert doc.read_text() == once
+    doc.write_text("# no markers\n")
+    assert main(["bench", "report", str(report_path), "--readme", str(doc)]) == 2
+
+
+def test_bad_arguments_are_clear_errors(capsys, tmp_path):
+    assert main(["bench", "latency", str(tmp_path / "missing"), "--no-roofline"]) == 2
+    assert "MODEL" in capsys.readouterr().err
+    assert main(["bench", "latency", "--batch-size", "0", "--no-roofline"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+    assert main(["bench", "serve", "--slo", "ttft:fast", "--no-roofline"]) == 2
+    assert "--slo" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--request-rate", "-1"])
+    with pytest.raises(SystemExit):
+        main(["tune", "--slo", "ttft:1s", "--max-num-seqs", "0"])
