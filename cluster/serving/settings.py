@@ -57,6 +57,17 @@ class ServeArgs(EngineConfig):
     imbalance_factor: float = Field(default=2.0, ge=1.0)
     imbalance_slack: float = Field(default=2.0, ge=0.0)
     kv_weight: float = Field(default=4.0, ge=0.0)
+    # Prefill/decode disaggregation (`cluster/pd/`): both counts set -> a prefill pool and a decode pool.
+    num_prefill_engines: int | None = Field(default=None, ge=1)
+    num_decode_engines: int | None = Field(default=None, ge=1)
+    prefill_tensor_parallel_size: int | None = Field(default=None, ge=1)  # default: tensor_parallel_size
+    decode_tensor_parallel_size: int | None = Field(default=None, ge=1)
+    prefill_pipeline_parallel_size: int | None = Field(default=None, ge=1)  # default: pipeline_parallel_size
+    decode_pipeline_parallel_size: int | None = Field(default=None, ge=1)
+    kv_connector: str = "ray"
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)  # hold_timeout_s, read_timeout_s, ...
+    prefill_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources pinning a pool
+    decode_resources: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_replicas(self) -> "ServeArgs":
@@ -64,6 +75,18 @@ class ServeArgs(EngineConfig):
         if self.max_replicas is not None and self.max_replicas < low:
             raise ValueError(f"max_replicas: must be >= min_replicas ({low}), got {self.max_replicas}")
         return self
+
+    @model_validator(mode="after")
+    def _check_pd(self) -> "ServeArgs":
+        from pagedserve.cluster.pd.config import check_pd_args
+
+        check_pd_args(self)
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        """A prefill pool and a decode pool (`cluster/pd/`) instead of one engine deployment."""
+        return self.num_prefill_engines is not None and self.num_decode_engines is not None
 
     @property
     def autoscaling(self) -> bool:

@@ -1,0 +1,188 @@
+"""The PD client: what the OpenAI layer needs of "the engines" (`generate`, `abort`, `aggregate_stats`,
+`latest_stats`, `is_healthy`), over a prefill pool and a decode pool.
+
+A request first runs on a prefill engine (least loaded, prefix-affine: `DPCoordinator` over the
+routing policy) with `max_tokens=1`, `n=1` and `kv_transfer_params={"do_remote_decode": True}`; the
+producer keeps the prompt's KV and answers with where it is. Then the request runs on a decode
+engine with the user's own sampling params plus those kv_transfer_params: the decode engine loads
+the KV it lacks, computes the last prompt token and generates every output token itself, so what
+the client receives (streaming, n, logprobs, stop strings, seeds, usage) is the monolithic engine's.
+
+- The prefill's output is the answer itself when it already finished the request (the user asked
+  for one token, or the first token stopped it) and n == 1: no decode step then.
+- Requests asking for prompt logprobs run on a decode engine alone (a consumer computes the prompt
+  positions it needs logprobs for itself, so a prefill would be wasted).
+- The producer's hold is released when the decode's first output arrives, when the decode fails,
+  or when the prefill's output was the answer (the consumer also releases after its load; releases
+  are idempotent, and the producer's `hold_timeout_s` frees anything left).
+- Faults: a prefill engine that is dead or refuses the request (overloaded) -> the request is
+  computed on a decode engine without remote KV (counted as a fallback). A decode engine that dies
+  -> its requests fail with `EngineDeadError`, as on a monolithic fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS, DPCoordinator
+from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagedserve.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass
+class PDCounters:
+    """What the PD client itself decided (cumulative, this process)."""
+
+    pd_requests: int = 0  # requests that went prefill -> decode
+    prefill_answers: int = 0  # requests whose prefill output was the whole answer
+    decode_only: int = 0  # requests sent straight to a decode engine (prompt logprobs)
+    prefill_fallbacks: int = 0  # prefill engine dead or overloaded: computed on a decode engine
+
+
+def prefill_params(user: dict[str, Any]) -> dict[str, Any]:
+    """The prefill stage's sampling params: the user's, for one token of one sequence, keeping its KV."""
+    return {
+        **user, "n": 1, "best_of": None, "max_tokens": 1, "min_tokens": min(int(user.get("min_tokens") or 0), 1),
+        "prompt_logprobs": None, "kv_transfer_params": {"do_remote_decode": True},
+    }
+
+
+def prefill_is_answer(user: dict[str, Any], final: RequestOutput) -> bool:
+    """The prefill (same params, one token) finished what the user asked for."""
+    if int(user.get("n") or 1) != 1 or not final.outputs:
+        return False
+    reason = final.outputs[0].finish_reason
+    return reason == "stop" or (reason == "length" and user.get("max_tokens") == 1)
+
+
+class PDClient:
+    """Lives in the HTTP ingress process; holds both pools' engine actor handles."""
+
+    def __init__(self, prefill_engines: list[Any], decode_engines: list[Any], prefill_names: list[str],
+                 prefill_block_size: int, decode_block_size: int, **coordinator_kwargs: Any) -> None:
+        if len(prefill_names) != len(prefill_engines):
+            raise ValueError("prefill_names: one name per prefill engine")
+        self.prefill = DPCoordinator(prefill_engines, prefill_block_size, **coordinator_kwargs)
+        self.decode = DPCoordinator(decode_engines, decode_block_size, **coordinator_kwargs)
+        self._producers = dict(zip(prefill_names, prefill_engines))
+        self.counters = PDCounters()
+
+    def start(self) -> None:
+        self.prefill.start()
+        self.decode.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(self.prefill.stop(), self.decode.stop())
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs. Raises ValueError (bad input), EngineOverloadedError (every decode engine
+        refused), or EngineDeadError (the decode engine died while serving this request)."""
+        user = {**sampling_params, "kv_transfer_params": None}
+        if user.get("prompt_logprobs") is not None:
+            self.counters.decode_only += 1
+            async for output in self._decode(request_id, prompt_token_ids, user, priority):
+                yield output
+            return
+        one_shot = user.get("max_tokens") == 1 and int(user.get("n") or 1) == 1
+        params = {**user, "best_of": None} if one_shot else prefill_params(user)
+        outputs: list[RequestOutput] = []
+        try:
+            async with contextlib.aclosing(self.prefill.generate(request_id, prompt_token_ids, params,
+                                                                 priority)) as stream:
+                async for output in stream:
+                    outputs.append(output)
+        except (EngineDeadError, EngineOverloadedError) as exc:
+            self.counters.prefill_fallbacks += 1
+            logger.warning("request %s: prefill failed (%s); computing it on a decode engine", request_id, exc)
+            async for output in self._decode(request_id, prompt_token_ids, user, priority):
+                yield output
+            return
+        final = outputs[-1]
+        remote = final.kv_transfer_params
+        if one_shot or final.outputs[0].finish_reason == "abort" or prefill_is_answer(user, final):
+            if remote is not None:
+                self._release(remote)
+            self.counters.prefill_answers += 1
+            for output in outputs:
+                output.kv_transfer_params = None
+                yield output
+            return
+        if remote is None:  # the producer kept nothing (e.g. the prompt did not fill a block): compute it
+            self.counters.prefill_fallbacks += 1
+            async for output in self._decode(request_id, prompt_token_ids, user, priority):
+                yield output
+            return
+        self.counters.pd_requests += 1
+        released = False
+        try:
+            async with contextlib.aclosing(self._decode(request_id, prompt_token_ids,
+                                                        {**user, "kv_transfer_params": remote}, priority)) as stream:
+                async for output in stream:
+                    if not released:
+                        released = True
+                        self._release(remote)
+                    yield output
+        finally:
+            if not released:
+                self._release(remote)
+
+    def _decode(self, request_id: str, prompt_token_ids: list[int], params: dict,
+                priority: int) -> AsyncIterator[RequestOutput]:
+        return self.decode.generate(request_id, prompt_token_ids, params, priority)
+
+    def _release(self, remote: dict[str, Any]) -> None:
+        """Free the producer's hold (fire and forget: a dead producer's blocks went with it)."""
+        handle = self._producers.get(remote.get("remote_engine_id"))
+        if handle is None:
+            return
+        try:
+            handle.kv_release.remote(remote["remote_request_id"])
+        except Exception as exc:  # noqa: BLE001 - its hold times out anyway
+            logger.debug("release of %s failed: %s", remote.get("remote_request_id"), exc)
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.gather(self.prefill.abort(request_id), self.decode.abort(request_id))
+
+    # ------------------------------------------------------------------ stats and health
+
+    def aggregate_stats(self) -> dict[str, Any]:
+        """The coordinator's shape over both pools (engines labelled by pool), plus "pools" (each pool's
+        own aggregate), "kv_transfer" (the engines' connector counters, summed) and "pd" (this client's)."""
+        pools = {"prefill": self.prefill.aggregate_stats(), "decode": self.decode.aggregate_stats()}
+        out: dict[str, Any] = {key: sum(int(p.get(key, 0)) for p in pools.values()) for key in (*COUNTER_KEYS,
+                                                                                                 *GAUGE_KEYS)}
+        engines = [{**e, "pool": pool, "engine_index": f"{pool}-{e.get('engine_index', i)}"}
+                   for pool, stats in pools.items() for i, e in enumerate(stats["engines"])]
+        usages = [float(e.get("kv_cache_usage", 0.0)) for e in engines if e.get("available") and "kv_cache_usage" in e]
+        out["kv_cache_usage"] = sum(usages) / len(usages) if usages else 0.0
+        for key in ("num_engines", "num_healthy_engines", "num_in_flight"):
+            out[key] = sum(int(p.get(key, 0)) for p in pools.values())
+        out["engines"] = engines
+        out["pools"] = pools
+        kv: dict[str, float] = {}
+        for engine in engines:
+            for key, value in (engine.get("kv_transfer") or {}).items():
+                kv[key] = kv.get(key, 0) + value
+        out["kv_transfer"] = kv
+        out["pd"] = vars(self.counters).copy()
+        return out
+
+    def latest_stats(self) -> dict[str, Any]:
+        self.prefill.latest_stats()  # starts polling if it has not begun
+        self.decode.latest_stats()
+        return self.aggregate_stats()
+
+    def is_healthy(self) -> bool:
+        return self.prefill.is_healthy() and self.decode.is_healthy()
