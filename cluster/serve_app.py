@@ -160,6 +160,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     from pagedserve.cluster.placement import pinned_engine_kwargs, plan_engine_placement
 
     validated = ServeArgs.model_validate(args)
+    if validated.disaggregated:  # a prefill pool and a decode pool behind a PD ingress (cluster/pd/)
+        from pagedserve.cluster.pd.app import build_pd_app
+
+        return build_pd_app(validated)
     resources = _cluster_resources()
     options = engine_deployment_options(validated, resources)
     if resources:  # on a live cluster (serve deploy / serve run): an engine it can never place fails now
