@@ -56,8 +56,9 @@ class _Pair:
         self.group: dist.ProcessGroup | None = None
         self.lock = threading.Lock()
         self.broken: str | None = None
-        # Receives posted for readers that gave up: kept until done so their buffers outlive the transport.
-        self.orphans: list[list[Any]] = []
+        # Every posted receive with its buffer, until it completes: a receive whose Work is dropped early
+        # would let the next message land in the wrong buffer (a reader may be dropped mid-read).
+        self.posted: list[tuple[list[Any], list[torch.Tensor]]] = []
 
     def send(self, message: dict[str, Any]) -> None:
         self.sock.sendall(p2p_protocol.encode_frame(message))
@@ -110,12 +111,8 @@ class P2PLayerReader(LayerReader):
         return k, v
 
     def close(self) -> None:
-        """Receives still posted stay with the pair until they complete (they keep the stream aligned)."""
-        rest = [entry for entry in self.posted[self._next:]]
+        """Nothing to cancel: the pair keeps the remaining receives until they complete (stream alignment)."""
         self._next = len(self.posted)
-        if rest and self.pair.broken is None:
-            with self.pair.lock:
-                self.pair.orphans.extend(rest)
 
 
 class TorchP2PTransport(KVTransport):
@@ -189,13 +186,14 @@ class TorchP2PTransport(KVTransport):
                 pair.send({"op": "read", "spec": p2p_protocol.spec_to_json(spec)})
                 if pair.group is None:
                     self._connect_group(pair)
-                pair.orphans = [e for e in pair.orphans if not all(w.is_completed() for w in e[0])]
+                pair.posted = [e for e in pair.posted if not all(w.is_completed() for w in e[0])]
                 posted = []
                 for _ in spec.layers:
                     tensors = [torch.empty(p2p_protocol.STATUS_BYTES, dtype=torch.uint8, device=pair.wire),
                                torch.empty(shape, dtype=dtype, device=pair.wire),
                                torch.empty(shape, dtype=dtype, device=pair.wire)]
                     posted.append(([pair.group.recv([t], p2p_group.PRODUCER_RANK, 0) for t in tensors], tensors))
+                pair.posted.extend(posted)
             except Exception as exc:
                 pair.mark_broken(f"{exc.__class__.__name__}: {exc}")
                 raise ConnectionError(f"torch_p2p: could not start a read from {address.get('host')}:"

@@ -1,0 +1,391 @@
+"""The torch_p2p KV transport (kv_transfer/connectors/torch_p2p.py): torch.distributed point to point.
+
+Wire pieces directly (control frames, read specs, status messages); the transport between two
+threads of one process (layer data equal to the producer's cache, interleaved reads on one pair,
+several consumer ranks on one producer rank, producer errors and timeouts as errors, releases,
+close); and whole engines: two offline LLMs wired with torch_p2p give one LLM's greedy tokens with
+different block sizes and prefix hits on the consumer (fewer bytes moved), a producer whose
+listener is gone makes the consumer fall back, and a TP=2 Ray producer feeds a TP=1 consumer across
+processes. Every block on both sides is free afterwards. Everything listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.kv_transfer.config import KVTransferConfig
+from pagedserve.kv_transfer.connectors import p2p_protocol
+from pagedserve.kv_transfer.connectors.torch_p2p import TorchP2PTransport
+from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
+from pagedserve.kv_transfer.layout import KVLayout
+from tests.tiny_models import VOCAB_SIZE
+
+HOST = "127.0.0.1"
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_size=4, dtype="float32", block_size=4)
+
+
+# ---------------------------------------------------------------------- wire pieces
+
+
+def test_control_frames_round_trip_and_reject_garbage():
+    a, b = socket.socketpair()
+    with a, b:
+        messages = [{"op": "hello", "pair": "k", "device": "cpu"}, {"op": "release", "id": "req-1"}]
+        for m in messages:
+            a.sendall(p2p_protocol.encode_frame(m))
+        assert [p2p_protocol.recv_frame(b) for _ in messages] == messages
+        a.sendall(b"\x00\x00\x00\x03abc")
+        with pytest.raises(p2p_protocol.ProtocolError, match="not JSON"):
+            p2p_protocol.recv_frame(b)
+        a.sendall(p2p_protocol.encode_frame({"no_op": 1}))  # type: ignore[dict-item]
+        with pytest.raises(p2p_protocol.ProtocolError, match="without an op"):
+            p2p_protocol.recv_frame(b)
+        a.sendall((p2p_protocol.MAX_FRAME + 1).to_bytes(4, "big"))
+        with pytest.raises(p2p_protocol.ProtocolError, match="exceeds"):
+            p2p_protocol.recv_frame(b)
+        a.sendall(b"\x00\x00\x00\x10{")  # cut short
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(p2p_protocol.ProtocolError, match="inside a control frame"):
+            p2p_protocol.recv_frame(b)
+    c, d = socket.socketpair()
+    with c, d:
+        c.close()
+        assert p2p_protocol.recv_frame(d) is None  # a clean close between frames
+
+
+def test_read_spec_round_trips_through_json_and_malformed_specs_are_refused():
+    spec = ReadSpec("r1", (3, 1, 2), 2, 9, (0, 2), 1, 2)
+    assert p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(spec)) == spec  # inf expiry survives JSON
+    timed = ReadSpec("r2", (0,), 0, 3, (1,), 0, 2, expires_at=1234.5)
+    assert p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(timed)) == timed
+    with pytest.raises(ValueError, match="malformed"):
+        p2p_protocol.spec_from_json({"remote_request_id": "x"})
+    with pytest.raises(ValueError, match="empty or negative"):
+        p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(ReadSpec("r", (0,), 4, 4, (0,), 0, 1)))
+    with pytest.raises(ValueError, match="not ascending"):
+        p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(ReadSpec("r", (0,), 0, 4, (1, 0), 0, 1)))
+    assert p2p_protocol.layer_shape(spec, 8) == (7, 1, 8)
+
+
+def test_status_messages_carry_errors_and_truncate_long_ones():
+    assert p2p_protocol.decode_status(p2p_protocol.encode_status(None)) is None
+    status = p2p_protocol.encode_status("TimeoutError: hold expired ✓")
+    assert status.shape == (p2p_protocol.STATUS_BYTES,) and status.dtype == torch.uint8
+    assert p2p_protocol.decode_status(status) == "TimeoutError: hold expired ✓"
+    long = p2p_protocol.decode_status(p2p_protocol.encode_status("x" * 1000))
+    assert long == "x" * (p2p_protocol.STATUS_BYTES - 5)
+    bad = torch.zeros(p2p_protocol.STATUS_BYTES, dtype=torch.uint8)
+    bad[0] = 7
+    with pytest.raises(p2p_protocol.ProtocolError, match="unknown status"):
+        p2p_protocol.decode_status(bad)
+
+
+# ---------------------------------------------------------------------- the transport, two ends in one process
+
+
+def _config(role: str, **extra) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector="torch_p2p", kv_role=role,
+                            kv_connector_extra_config={"kv_host": HOST, "read_timeout_s": 20, **extra})
+
+
+def _source(layout: KVLayout = LAYOUT, num_blocks: int = 8, rank: int = 0) -> KVSource:
+    gen = torch.Generator().manual_seed(rank)
+    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size)
+    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(layout.num_layers)]
+    return KVSource(layout, rank, caches)
+
+
+class _SlowSource(KVSource):
+    """A producer whose gather stalls (to exercise the reader's timeout)."""
+
+    stall = threading.Event()
+
+    def read_layer(self, spec, layer, slots=None):
+        self.stall.wait(30)
+        return super().read_layer(spec, layer, slots)
+
+
+@pytest.fixture
+def transports():
+    made: list[TorchP2PTransport] = []
+
+    def make(role: str, rank: int = 0, **extra) -> TorchP2PTransport:
+        t = TorchP2PTransport(_config(role, **extra), LAYOUT, rank, torch.device("cpu"))
+        made.append(t)
+        return t
+
+    yield make
+    for t in reversed(made):
+        t.close()
+
+
+def _read_all(reader, spec):
+    return [reader.wait_layer(layer) for layer in spec.layers]
+
+
+def test_reads_return_the_producers_layers_and_interleaved_reads_on_one_pair_stay_apart(transports):
+    source = _source()
+    producer, consumer = transports("kv_producer"), transports("kv_consumer")
+    address = producer.serve(source)
+    assert pickle.loads(pickle.dumps(address)) == address and address["host"] == HOST
+    a = ReadSpec("a", (5, 2, 7), 1, 11, (0, 1, 2), 0, 2)
+    b = ReadSpec("b", (3, 0), 0, 6, (1, 2), 1, 2)
+    ra, rb = consumer.read(address, a), consumer.read(address, b)
+    got_a, got_b = {}, {}
+    # The consumer waits in an order unlike the wire's (a's layers, then b's): buffers are per read.
+    got_b[1] = rb.wait_layer(1)
+    got_a[0] = ra.wait_layer(0)
+    got_b[2] = rb.wait_layer(2)
+    got_a[1], got_a[2] = ra.wait_layer(1), ra.wait_layer(2)
+    for spec, got in ((a, got_a), (b, got_b)):
+        for layer in spec.layers:
+            k, v = source.read_layer(spec, layer)
+            assert torch.equal(got[layer][0], k) and torch.equal(got[layer][1], v)
+    with pytest.raises(ValueError, match="not requested"):
+        ra.wait_layer(0)  # layers are read once, in ascending order
+
+
+def test_several_consumer_ranks_read_one_producer_rank_concurrently(transports):
+    source = _source()
+    producer = transports("kv_producer")
+    address = producer.serve(source)
+    consumers = [transports("kv_consumer", rank=r) for r in range(3)]
+    specs = [ReadSpec(f"r{i}", (i, 7 - i), 0, 8, (0, 1, 2), i % 2, i % 2 + 1) for i in range(3)]
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(3):  # several reads per pair, one after another
+                results[i] = _read_all(consumers[i].read(address, specs[i]), specs[i])
+        except Exception as exc:  # noqa: BLE001
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, spec in enumerate(specs):
+        assert not isinstance(results[i], Exception), results[i]
+        for (k, v), layer in zip(results[i], spec.layers):
+            ek, ev = source.read_layer(spec, layer)
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_producer_errors_reach_the_reader_and_the_pair_stays_usable(transports):
+    source = _source()
+    producer, consumer = transports("kv_producer"), transports("kv_consumer")
+    address = producer.serve(source)
+    expired = ReadSpec("old", (0, 1), 0, 8, (0, 1, 2), 0, 2, expires_at=time.time() - 1)
+    reader = consumer.read(address, expired)
+    with pytest.raises(RuntimeError, match="hold expired"):
+        reader.wait_layer(0)
+    reader.close()
+    too_far = ReadSpec("short", (0,), 0, 8, (0, 1), 0, 2)  # 8 tokens in one block of 4
+    with pytest.raises(RuntimeError, match="only 1 blocks"):
+        consumer.read(address, too_far).wait_layer(0)
+    bad_heads = ReadSpec("heads", (0, 1), 0, 8, (0,), 1, 3)
+    with pytest.raises(RuntimeError, match="heads"):
+        consumer.read(address, bad_heads).wait_layer(0)
+    good = ReadSpec("ok", (2, 3), 0, 8, (0, 1, 2), 0, 2)
+    got = _read_all(consumer.read(address, good), good)  # the stream stayed aligned
+    assert torch.equal(got[2][1], source.read_layer(good, 2)[1])
+
+
+def test_release_reaches_the_producers_source(transports):
+    source = _source()
+    released: list[str] = []
+    source.release_sink = released.append
+    producer, consumer = transports("kv_producer"), transports("kv_consumer")
+    address = producer.serve(source)
+    consumer.release(address, "req-7")
+    consumer.release(address, "req-8")
+    deadline = time.monotonic() + 30
+    while len(released) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert released == ["req-7", "req-8"]
+
+
+def test_a_stalled_producer_times_out_and_the_next_read_reconnects(transports):
+    layout_source = _source()
+    source = _SlowSource(LAYOUT, 0, layout_source.kv_caches)
+    _SlowSource.stall.clear()
+    producer = transports("kv_producer")
+    consumer = transports("kv_consumer", read_timeout_s=1.0)
+    address = producer.serve(source)
+    spec = ReadSpec("slow", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    reader = consumer.read(address, spec)
+    with pytest.raises(TimeoutError):
+        reader.wait_layer(0)
+    reader.close()
+    _SlowSource.stall.set()
+    got = _read_all(consumer.read(address, spec), spec)  # a fresh pair
+    assert torch.equal(got[0][0], source.read_layer(spec, 0)[0])
+
+
+def test_closed_or_missing_producers_fail_fast_and_close_stops_everything(transports):
+    producer, consumer = transports("kv_producer"), transports("kv_consumer")
+    address = producer.serve(_source())
+    spec = ReadSpec("x", (0, 1), 0, 8, (0,), 0, 2)
+    _read_all(consumer.read(address, spec), spec)
+    server = producer.server
+    producer.close()
+    assert not server._thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection((HOST, address["port"]), timeout=5).close()
+    with pytest.raises((ConnectionError, OSError)):
+        _read_all(consumer.read(address, spec), spec)
+    with pytest.raises(ValueError, match="not a torch_p2p address"):
+        consumer.read({"engine_id": "e", "rank": 0}, spec)
+    consumer.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        consumer.read(address, spec)
+
+
+# ---------------------------------------------------------------------- two engines
+
+
+def _kw(path, **over):
+    return {"model": str(path), "dtype": "float32", "num_kv_blocks": 64, "block_size": 4,
+            "max_num_batched_tokens": 64, **over}
+
+
+def _p2p(role: str, **extra) -> dict:
+    return {"kv_connector": "torch_p2p", "kv_role": role, "kv_connector_extra_config": {"kv_host": HOST, **extra}}
+
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PREFILL = SamplingParams(max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True})
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def _pd(producer: LLM, consumer: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    pre = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL, use_tqdm=False)
+    params = [o.kv_transfer_params for o in pre]
+    assert all(p and p["kv_connector"] == "torch_p2p" for p in params)
+    outs = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                             [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, kv_transfer_params=p)
+                              for p in params], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _mono(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+
+
+def _drain_producer(producer: LLM) -> None:
+    """Tick the producer until every release (they arrive on the transport's threads) freed its blocks."""
+    deadline = time.monotonic() + 60
+    while producer.llm_engine.free_released_kv() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert producer.llm_engine.free_released_kv() == 0
+
+
+def _all_free(llm: LLM) -> bool:
+    stats = llm.llm_engine.get_stats()
+    return stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def test_two_llms_over_torch_p2p_match_one_llm_and_prefix_hits_move_fewer_bytes(model):
+    producer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_producer"))
+    consumer = LLM(**_kw(model, block_size=8), kv_transfer_config=_p2p("kv_consumer"))
+    mono = LLM(**_kw(model))
+    try:
+        prompts = _prompts(0, (5, 17, 33))
+        assert _pd(producer, consumer, prompts) == _mono(mono, prompts)
+        stats = consumer.llm_engine.get_stats().kv_transfer
+        assert stats["loads"] == 3 and stats["fallbacks"] == 0
+        assert stats["loaded_tokens"] == sum(len(p) - 1 for p in prompts)
+        cfg = producer.llm_engine.engine_core.config.hf_config
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+        assert stats["loaded_bytes"] == stats["loaded_tokens"] * per_token
+
+        # The consumer already holds the first 32 tokens of the longest prompt (4 blocks of 8): only the rest moves.
+        extended = [prompts[2] + _prompts(1, (12,))[0]]
+        before = stats["loaded_bytes"]
+        assert _pd(producer, consumer, extended) == _mono(mono, extended)
+        after = consumer.llm_engine.get_stats().kv_transfer
+        moved = after["loaded_bytes"] - before
+        assert moved == (len(extended[0]) - 1 - 32) * per_token
+        assert moved < (len(extended[0]) - 1) * per_token
+        assert after["fallbacks"] == 0
+
+        _drain_producer(producer)
+        assert _all_free(producer) and _all_free(consumer)
+    finally:
+        for llm in (producer, consumer, mono):
+            llm.shutdown()
+
+
+def test_a_producer_whose_listener_is_gone_makes_the_consumer_compute_the_prompt(model):
+    producer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_producer"))
+    consumer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_consumer", connect_timeout_s=5))
+    mono = LLM(**_kw(model))
+    try:
+        prompts = _prompts(2, (9, 21))
+        pre = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL, use_tqdm=False)
+        producer.llm_engine.engine_core.executor.worker.model_runner.kv_hooks.transport.close()
+        outs = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                                 [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                 kv_transfer_params=o.kv_transfer_params) for o in pre],
+                                 use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == _mono(mono, prompts)
+        stats = consumer.llm_engine.get_stats().kv_transfer
+        assert stats["fallbacks"] == 2 and stats["load_failures"] == 2 and stats["loads"] == 0
+        # No reader can release through a closed listener; whoever routes the requests releases them.
+        producer.llm_engine.release_kv([o.kv_transfer_params["remote_request_id"] for o in pre])
+        _drain_producer(producer)
+        assert _all_free(producer) and _all_free(consumer)
+    finally:
+        for llm in (producer, consumer, mono):
+            llm.shutdown()
+
+
+@pytest.mark.slow  # a local Ray with a TP=2 worker group: about a minute on two busy CPU cores
+def test_tp2_ray_producer_feeds_a_tp1_consumer_across_processes(model, monkeypatch):
+    pytest.importorskip("ray")
+    from tests.local_ray import fresh_local_ray
+
+    # A fresh local instance even when a `ray start` cluster runs on this machine (ray.init would join it).
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    with fresh_local_ray(num_cpus=4):
+        producer = LLM(**_kw(model, tensor_parallel_size=2, distributed_executor_backend="ray"),
+                       kv_transfer_config=_p2p("kv_producer"))
+        consumer = LLM(**_kw(model, block_size=8), kv_transfer_config=_p2p("kv_consumer"))
+        mono = LLM(**_kw(model))
+        try:
+            prompts = _prompts(3, (6, 19, 30))
+            pre = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL, use_tqdm=False)
+            addresses = pre[0].kv_transfer_params["remote_addresses"]
+            assert [a["rank"] for a in addresses] == [0, 1] and addresses[0]["port"] != addresses[1]["port"]
+            outs = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                                     [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                     kv_transfer_params=o.kv_transfer_params) for o in pre],
+                                     use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == _mono(mono, prompts)
+            stats = consumer.llm_engine.get_stats().kv_transfer
+            assert stats["loads"] == 3 and stats["fallbacks"] == 0
+            # The producer's ranks are Ray actors: their readers' releases reach its engine through release_kv.
+            producer.llm_engine.release_kv([o.kv_transfer_params["remote_request_id"] for o in pre])
+            _drain_producer(producer)
+            assert _all_free(producer) and _all_free(consumer)
+        finally:
+            for llm in (consumer, mono, producer):
+                llm.shutdown()
