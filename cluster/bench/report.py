@@ -126,16 +126,16 @@ def make_report(command: str, model: str, config: dict[str, Any], runs: list[dic
     if command not in COMMANDS:
         raise ValueError(f"command: one of {COMMANDS}, got {command!r}")
     return {"schema_version": SCHEMA_VERSION, "command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": model, "environment": environment(), "config": _jsonable(config), "machine": machine,
-            "runs": _jsonable(runs), "summary": _jsonable(summary or {})}
+            "model": model, "environment": environment(), "config": jsonable(config), "machine": machine,
+            "runs": jsonable(runs), "summary": jsonable(summary or {})}
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Plain JSON: tuples as lists, infinite floats as "inf", NaN as null."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, float):
         if math.isnan(value):
             return None
