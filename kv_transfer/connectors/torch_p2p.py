@@ -63,6 +63,10 @@ class _Pair:
     def send(self, message: dict[str, Any]) -> None:
         self.sock.sendall(p2p_protocol.encode_frame(message))
 
+    def prune(self) -> None:
+        with self.lock:
+            self.posted = [e for e in self.posted if not all(w.is_completed() for w in e[0])]
+
     def mark_broken(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
@@ -105,6 +109,8 @@ class P2PLayerReader(LayerReader):
                 self.pair.mark_broken(reason)
                 raise (TimeoutError if timed_out else ConnectionError)(
                     f"torch_p2p: layer {layer} of request {self.spec.remote_request_id}: {reason}") from None
+        if self._next == len(self.posted):  # the read is done: its buffers belong to the caller alone now
+            self.pair.prune()
         error = p2p_protocol.decode_status(status)
         if error is not None:
             raise RuntimeError(f"torch_p2p: the producer could not serve request {self.spec.remote_request_id}: {error}")
@@ -156,6 +162,7 @@ class TorchP2PTransport(KVTransport):
                 return pair
             self._pairs.pop(key, None)
         sock = socket.create_connection(key[:2], timeout=self.connect_timeout_s)
+        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         backend = p2p_group.pick_backend(str(address.get("device", "cpu")), self.device.type)
         pair = _Pair(address, sock, backend, self.device)
@@ -165,6 +172,10 @@ class TorchP2PTransport(KVTransport):
             sock.close()
             raise
         with self._lock:
+            other = self._pairs.get(key)
+            if other is not None and other.broken is None:  # another thread connected meanwhile: use one pair
+                pair.mark_broken("duplicate")
+                return other
             self._pairs[key] = pair
         return pair
 
@@ -173,7 +184,7 @@ class TorchP2PTransport(KVTransport):
         store = p2p_group.store_client(host, store_port, self.connect_timeout_s)
         pair.group = p2p_group.build_pair_group(
             store, pair.key, p2p_group.CONSUMER_RANK, pair.backend, p2p_group.local_ip_towards(host), self.device,
-            max(self.read_timeout_s, self.connect_timeout_s))
+            self.connect_timeout_s)  # every wait on this end passes its own (read) timeout
 
     def read(self, address: Any, spec: ReadSpec) -> LayerReader:
         p2p_protocol.check_spec_shape(spec)
@@ -186,7 +197,7 @@ class TorchP2PTransport(KVTransport):
                 pair.send({"op": "read", "spec": p2p_protocol.spec_to_json(spec)})
                 if pair.group is None:
                     self._connect_group(pair)
-                pair.posted = [e for e in pair.posted if not all(w.is_completed() for w in e[0])]
+                pair.posted = [e for e in pair.posted if not all(w.is_completed() for w in e[0])]  # lock held
                 posted = []
                 for _ in spec.layers:
                     tensors = [torch.empty(p2p_protocol.STATUS_BYTES, dtype=torch.uint8, device=pair.wire),
