@@ -10,6 +10,7 @@ mirror vLLM's and map onto `ServeArgs`, which validates them.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -77,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--num-ingress-replicas", type=int, help="HTTP ingress replicas (default 1)")
     scale.add_argument("--graceful-shutdown-timeout-s", type=float,
                        help="how long a removed engine replica may finish its requests (default 60)")
+    pd = serve_parser.add_argument_group("prefill/decode disaggregation (a prefill pool and a decode pool)")
+    pd.add_argument("--num-prefill-engines", type=int, help="engines that compute prompts (with --num-decode-engines)")
+    pd.add_argument("--num-decode-engines", type=int, help="engines that pull the prompt's KV and generate")
+    for role in ("prefill", "decode"):
+        pd.add_argument(f"--{role}-tensor-parallel-size", type=int, help=f"TP of each {role} engine (default -tp)")
+        pd.add_argument(f"--{role}-pipeline-parallel-size", type=int, help=f"PP of each {role} engine (default -pp)")
+        pd.add_argument(f"--{role}-resources", type=json.loads, metavar="JSON",
+                        help=f'custom Ray resources each {role} engine (and rank) reserves, e.g. \'{{"{role}": 1}}\'')
+    pd.add_argument("--kv-connector", help="KV transport between the pools: ray (default) or torch_p2p")
+    pd.add_argument("--kv-connector-extra-config", type=json.loads, metavar="JSON",
+                    help='e.g. \'{"hold_timeout_s": 120, "read_timeout_s": 60}\'')
     serve_parser.add_argument("--max-n", type=int, help="largest n / best_of a request may ask for (default 16)")
     serve_parser.add_argument("--max-request-body-bytes", type=int,
                               help="larger request bodies get a 413; also the longest rendered chat prompt, in "
@@ -114,6 +126,9 @@ def serve_args_from(ns: argparse.Namespace) -> ServeArgs:
         lines = []
         for error in exc.errors():
             field = next((str(p) for p in error["loc"] if isinstance(p, str)), None)
+            named = error["msg"].removeprefix("Value error, ").partition(":")[0]
+            if field is None and named in ServeArgs.model_fields:  # a model-level check names its field first
+                field, error["msg"] = named, error["msg"].removeprefix("Value error, ")[len(named) + 1:].strip()
             name = "MODEL" if field == "model" else (_flag(field) if field else "arguments")
             lines.append(f"{name}: {error['msg'].removeprefix('Value error, ')}")
         print(f"pagedserve {ns.command}: error: " + "; ".join(lines), file=sys.stderr)
