@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -56,6 +56,28 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions", "Cumulative preemptions."),
     ("prompt_tokens", "num_prompt_tokens", "Prefill tokens processed."),
     ("generation_tokens", "num_generation_tokens", "Generation tokens processed."),
+)
+
+# KV transfer (prefill/decode), from the engines' SchedulerStats.kv_transfer summed over engines:
+# (metric name, kv_transfer key, help)
+_KV_COUNTERS = (
+    ("kv_transfer_bytes", "loaded_bytes", "KV bytes decode engines pulled from prefill engines."),
+    ("kv_transfer_blocks_pulled", "loaded_blocks", "KV blocks decode engines filled from prefill engines."),
+    ("kv_transfer_tokens_pulled", "loaded_tokens", "Prompt tokens whose KV decode engines pulled."),
+    ("kv_transfer_failures", "load_failures", "KV pulls that failed (the request recomputed its prompt)."),
+    ("kv_transfer_fallbacks", "fallbacks", "Requests a decode engine computed itself instead of pulling KV "
+                                           "(a failed pull, an expired hold or unusable params)."),
+    ("kv_transfer_expired_holds", "expired_holds", "Prefill KV holds freed by hold_timeout_s, not a release."),
+)
+_KV_GAUGES = (
+    ("kv_transfer_held_requests", "held_requests", "Finished prefills whose KV waits for a reader."),
+    ("kv_transfer_held_blocks", "held_blocks", "KV blocks prefill engines hold for readers."),
+)
+# Per-pool gauges (PD): (metric name after "pool_", stats key, help)
+_PER_POOL = (
+    ("num_requests_running", "num_running", "Requests in model execution batches, per pool"),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled, per pool"),
+    ("num_engines", "num_engines", "Engines in the pool"),
 )
 
 # Per-engine gauges: (metric name after "engine_", stats key, help)
@@ -101,6 +123,43 @@ class EngineStatsCollector(Collector):
         yield healthy
         yield from self._per_engine(per_engine)
         yield from self._routing(stats)
+        yield from self._disaggregated(stats)
+
+    def _disaggregated(self, stats: dict):
+        """Prefill/decode: KV transfer figures and per-pool load (only in the PD shape)."""
+        kv = stats.get("kv_transfer")
+        if kv is not None:
+            for name, key, help_text in _KV_COUNTERS:
+                family = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+                family.add_metric([self.model_name], float(kv.get(key, 0) or 0))
+                yield family
+            for name, key, help_text in _KV_GAUGES:
+                family = GaugeMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+                family.add_metric([self.model_name], float(kv.get(key, 0) or 0))
+                yield family
+            # Engines report the pulls' count and summed time, not each pull: a summary (mean), no quantiles.
+            timing = SummaryMetricFamily(PREFIX + "kv_transfer_time_seconds", "Time decode engines spent "
+                                         "pulling KV (per pull: count and sum).", labels=["model_name"])
+            timing.add_metric([self.model_name], count_value=float(kv.get("loads", 0) or 0),
+                              sum_value=float(kv.get("load_seconds", 0.0) or 0.0))
+            yield timing
+        pools = stats.get("pools")
+        if pools:
+            for name, key, help_text in _PER_POOL:
+                family = GaugeMetricFamily(PREFIX + "pool_" + name, help_text, labels=["model_name", "pool"])
+                for pool, pool_stats in pools.items():
+                    family.add_metric([self.model_name, pool], float(pool_stats.get(key, 0) or 0))
+                yield family
+        pd = stats.get("pd")
+        if pd is not None:
+            family = CounterMetricFamily(PREFIX + "pd_requests", "Requests by how the PD router served them "
+                                         "(pd_requests: prefill then decode; prefill_answers: the prefill's token "
+                                         "was the answer; decode_only: prompt logprobs; prefill_fallbacks: the "
+                                         "prefill pool failed, computed on a decode engine).",
+                                         labels=["model_name", "path"])
+            for path, count in sorted(pd.items()):
+                family.add_metric([self.model_name, path], float(count))
+            yield family
 
     def _per_engine(self, per_engine: list[dict]):
         """Each engine's own figures, labelled by engine (a replica id under Serve)."""
