@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from pagedserve.kv_transfer.config import ConnectorExtraConfig
 from pagedserve.kv_transfer.layout import KVLayout, check_compatible
 from pagedserve.kv_transfer.registry import CONNECTORS
@@ -47,7 +49,12 @@ def check_pd_args(args: Any) -> None:
     if args.autoscaling or args.data_parallel_size != 1:
         raise ValueError("data_parallel_size: the PD shape sizes its pools with num_prefill_engines / "
                          "num_decode_engines (min/max_replicas and data_parallel_size do not apply)")
-    ConnectorExtraConfig.model_validate(args.kv_connector_extra_config)
+    try:
+        ConnectorExtraConfig.model_validate(args.kv_connector_extra_config)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"kv_connector_extra_config: {where}: {first['msg']}") from None
     if args.hf_config is None and args.model is not None:
         from pagedserve.engine.config import EngineConfig
 
@@ -59,22 +66,18 @@ def check_pd_args(args: Any) -> None:
     layouts = {}
     for role in ("prefill", "decode"):
         sizes = side_layout_kwargs(args, role)
-        layout = layout_of(hf_config, args.dtype, args.block_size, sizes["tensor_parallel_size"],
-                           sizes["pipeline_parallel_size"])
-        _check_shardable(layout, role)
-        layouts[role] = layout
+        layouts[role] = layout_of(hf_config, args.dtype, args.block_size, sizes["tensor_parallel_size"],
+                                  sizes["pipeline_parallel_size"])
+    both = f"prefill layout: {layouts['prefill'].describe()}; decode layout: {layouts['decode'].describe()}"
+    for role, layout in layouts.items():
+        tp, heads = layout.tp_size, layout.num_kv_heads
+        if heads % tp and tp % heads:
+            raise ValueError(f"{role}_tensor_parallel_size: {tp} neither divides nor is a multiple of the model's "
+                             f"{heads} KV heads, so its KV heads cannot be re-sliced ({both})")
+        if layout.pp_size > layout.num_layers:
+            raise ValueError(f"{role}_pipeline_parallel_size: {layout.pp_size} stages for {layout.num_layers} "
+                             f"layers ({both})")
     try:
         check_compatible(layouts["decode"], layouts["prefill"])
     except ValueError as exc:
-        raise ValueError(f"decode_tensor_parallel_size: prefill layout ({layouts['prefill'].describe()}) and decode "
-                         f"layout ({layouts['decode'].describe()}) cannot exchange KV: {exc}") from None
-
-
-def _check_shardable(layout: KVLayout, role: str) -> None:
-    tp, heads = layout.tp_size, layout.num_kv_heads
-    if heads % tp and tp % heads:
-        raise ValueError(f"{role}_tensor_parallel_size: {tp} neither divides nor is a multiple of the model's "
-                         f"{heads} KV heads ({role} layout: {layout.describe()})")
-    if layout.pp_size > layout.num_layers:
-        raise ValueError(f"{role}_pipeline_parallel_size: {layout.pp_size} stages for {layout.num_layers} layers "
-                         f"({role} layout: {layout.describe()})")
+        raise ValueError(f"decode_tensor_parallel_size: the pools cannot exchange KV ({both}): {exc}") from None
