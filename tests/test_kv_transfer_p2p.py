@@ -231,6 +231,26 @@ def test_a_stalled_producer_times_out_and_the_next_read_reconnects(transports):
     assert torch.equal(got[0][0], source.read_layer(spec, 0)[0])
 
 
+def test_a_consumer_gone_mid_read_does_not_wedge_the_producer(transports):
+    base = _source()
+    source = _SlowSource(LAYOUT, 0, base.kv_caches)
+    _SlowSource.stall.clear()
+    producer = transports("kv_producer")
+    address = producer.serve(source)
+    spec = ReadSpec("gone", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    first = transports("kv_consumer")
+    first.read(address, spec)
+    first.close()  # mid-read: the producer is still gathering layer 0
+    _SlowSource.stall.set()
+    deadline = time.monotonic() + 60
+    while any(p.thread.is_alive() for p in producer.server._peers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(p.thread.is_alive() for p in producer.server._peers)  # its sends failed; the peer is dropped
+    second = transports("kv_consumer")
+    got = _read_all(second.read(address, spec), spec)
+    assert torch.equal(got[1][0], base.read_layer(spec, 1)[0])
+
+
 def test_closed_or_missing_producers_fail_fast_and_close_stops_everything(transports):
     producer, consumer = transports("kv_producer"), transports("kv_consumer")
     address = producer.serve(_source())
