@@ -251,6 +251,15 @@ def test_a_consumer_gone_mid_read_does_not_wedge_the_producer(transports):
     assert torch.equal(got[1][0], base.read_layer(spec, 1)[0])
 
 
+def test_bad_transport_settings_name_the_field(transports):
+    with pytest.raises(ValueError, match="connect_timeout_s: must be > 0"):
+        transports("kv_consumer", connect_timeout_s=0)
+    with pytest.raises(ValueError, match="connect_timeout_s: must be a number"):
+        transports("kv_consumer", connect_timeout_s="soon")
+    with pytest.raises(ValueError, match="kv_host: cannot listen on '203.0.113.1'"):
+        transports("kv_producer", kv_host="203.0.113.1").serve(_source())  # not an address of this machine
+
+
 def test_closed_or_missing_producers_fail_fast_and_close_stops_everything(transports):
     producer, consumer = transports("kv_producer"), transports("kv_consumer")
     address = producer.serve(_source())

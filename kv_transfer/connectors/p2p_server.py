@@ -35,7 +35,11 @@ class P2PServer:
         self.timeout_s = timeout_s
         self.listener = p2p_group.listening_socket(host)
         self.port = self.listener.getsockname()[1]
-        self.store = p2p_group.store_server(host, timeout_s)
+        try:
+            self.store = p2p_group.store_server(host, timeout_s)
+        except Exception:
+            self.listener.close()
+            raise
         self._peers: list[_Peer] = []
         self._lock = threading.Lock()
         self._closed = False

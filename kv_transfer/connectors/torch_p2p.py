@@ -127,9 +127,13 @@ class TorchP2PTransport(KVTransport):
         extra = config.extra
         self.host = str(extra.get("kv_host") or p2p_group.default_host())
         self.read_timeout_s = float(extra.get("read_timeout_s", 60.0))
-        self.connect_timeout_s = float(extra.get("connect_timeout_s", _DEFAULT_CONNECT_TIMEOUT_S))
-        if self.connect_timeout_s <= 0:
-            raise ValueError("kv_transfer_config.kv_connector_extra_config.connect_timeout_s: must be > 0")
+        field = "kv_transfer_config.kv_connector_extra_config.connect_timeout_s"
+        try:
+            self.connect_timeout_s = float(extra.get("connect_timeout_s", _DEFAULT_CONNECT_TIMEOUT_S))
+        except (TypeError, ValueError):
+            raise ValueError(f"{field}: must be a number of seconds") from None
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"{field}: must be > 0")
         self.server: P2PServer | None = None
         self._pairs: dict[tuple[str, int, int], _Pair] = {}
         self._lock = threading.Lock()
@@ -139,7 +143,11 @@ class TorchP2PTransport(KVTransport):
 
     def serve(self, source: KVSource) -> Any:
         if self.server is None:
-            self.server = P2PServer(source, self.host, self.device, max(self.read_timeout_s, self.connect_timeout_s))
+            try:
+                self.server = P2PServer(source, self.host, self.device, max(self.read_timeout_s, self.connect_timeout_s))
+            except OSError as exc:
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.kv_host: cannot listen on "
+                                 f"{self.host!r}: {exc}") from None
         return {"host": self.host, "port": self.server.port, "store_port": self.server.store.port,
                 "rank": self.rank, "engine_id": self.config.engine_id, "device": self.device.type}
 
