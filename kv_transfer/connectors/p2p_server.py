@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
@@ -71,9 +72,10 @@ class P2PServer:
         _shutdown(self.listener)
         for peer in peers:
             _shutdown(peer.conn)
+        deadline = time.monotonic() + join_timeout_s
         self._thread.join(join_timeout_s)
         for peer in peers:
-            peer.thread.join(join_timeout_s)
+            peer.thread.join(max(0.0, deadline - time.monotonic()))
             if peer.thread.is_alive():
                 logger.warning("torch_p2p: a peer thread of producer rank %d is still sending; leaving it", self.source.rank)
         self.store = None  # the store server stops with its last reference

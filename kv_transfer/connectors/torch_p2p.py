@@ -34,9 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagedserve.kv_transfer.config import KVTransferConfig
 from pagedserve.kv_transfer.connectors import p2p_group, p2p_protocol
 from pagedserve.kv_transfer.connectors.p2p_server import P2PServer
 from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
+from pagedserve.kv_transfer.layout import KVLayout
 from pagedserve.kv_transfer.transport import KVTransport, LayerReader
 
 logger = logging.getLogger(__name__)
@@ -122,7 +124,7 @@ class P2PLayerReader(LayerReader):
 
 
 class TorchP2PTransport(KVTransport):
-    def __init__(self, config, layout, rank, device) -> None:
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, rank: int, device: torch.device) -> None:
         super().__init__(config, layout, rank, device)
         extra = config.extra
         self.host = str(extra.get("kv_host") or p2p_group.default_host())
