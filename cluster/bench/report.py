@@ -212,8 +212,12 @@ def roofline_table(runs: Sequence[dict[str, Any]]) -> str:
                          r["ideal_s"] * 1e3, f"{r['percent_of_ideal']:.3g}%", r["verdict"]])
     if not rows:
         return "(no roofline: the machine figures are not available)"
-    return table(["roofline (one step)", "steps", "tokens", "context", "measured ms", "ideal ms", "of ideal", "verdict"],
-                 rows)
+    text = table(["roofline (one step)", "steps", "tokens", "context", "measured ms", "ideal ms", "of ideal",
+                  "verdict"], rows)
+    if any(r["percent_of_ideal"] > 100 for run in runs for r in (run.get("roofline") or {}).values()):
+        text += ("\nAbove 100%: this run beat the probed figures, so they are low (probed under load?): "
+                 "probe again on an idle machine with --remeasure.")
+    return text
 
 
 def machine_line(machine: dict[str, Any] | None) -> str:

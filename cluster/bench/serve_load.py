@@ -14,6 +14,7 @@ output), measured as the mean TPOT.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -98,8 +99,13 @@ class LocalServer:
 
     @classmethod
     def start(cls, model: str, port: int, settings: dict[str, Any]) -> "LocalServer":
-        if not os.environ.get("RAY_ADDRESS"):
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local Ray on loopback, as the tests run it
+        import ray
+
+        if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+            # A Ray of its own on loopback (as the tests run it): address="local" never joins another
+            # session that happens to run on this machine.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
         from pagedserve.cluster.serve_app import server_url, start_server
         from pagedserve.cluster.serving.settings import ServeArgs
 
