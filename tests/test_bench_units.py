@@ -117,13 +117,19 @@ def test_run_roofline_counts_steps_and_context():
     assert r.measured_s == pytest.approx(2.0)
 
 
-def test_probe_smoke_and_cache(tmp_path):
+def test_probe_smoke_and_cache(tmp_path, monkeypatch):
+    from pagedserve.cluster.bench import roofline
+
     machine = probe(bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",), repeats=1)
     assert machine.memory_bandwidth > 0 and machine.matmul_flops["float32"] > 0
     path = tmp_path / "roofline.json"
     first = machine_figures(path, bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",), repeats=1)
-    again = machine_figures(path)  # cached: no probe arguments needed
-    assert again == first
+    with monkeypatch.context() as mp:
+        mp.setattr(roofline, "probe", lambda **_: pytest.fail("probed again despite the cache"))
+        again = machine_figures(path)  # cached: the same figures come back, no probe runs
+    assert again.measured_at == first.measured_at
+    assert again.memory_bandwidth == pytest.approx(first.memory_bandwidth)
+    assert again.matmul_flops == pytest.approx(first.matmul_flops)
     assert json.loads(path.read_text())
     path.write_text("not json")
     assert machine_figures(path, bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",),
