@@ -387,34 +387,47 @@ def test_a_producer_whose_listener_is_gone_makes_the_consumer_compute_the_prompt
             llm.shutdown()
 
 
-@pytest.mark.slow  # a local Ray with a TP=2 worker group: about a minute on two busy CPU cores
-def test_tp2_ray_producer_feeds_a_tp1_consumer_across_processes(model, monkeypatch):
+RAY = {"distributed_executor_backend": "ray"}
+# (producer, consumer) layouts whose ranks are Ray actors (other processes): the addresses must travel.
+CROSS_PROCESS = [
+    ({"tensor_parallel_size": 2, **RAY}, {"block_size": 8}),  # TP=2 producer -> TP=1 consumer in this process
+    ({"pipeline_parallel_size": 2, **RAY}, {"tensor_parallel_size": 2, "block_size": 8, **RAY}),  # PP=2 -> TP=2
+]
+
+
+@pytest.mark.slow  # a local Ray with two worker groups at a time: a minute or two on two busy CPU cores
+def test_ray_rank_producers_feed_consumers_of_other_layouts_across_processes(model, monkeypatch):
     pytest.importorskip("ray")
     from tests.local_ray import fresh_local_ray
 
     # A fresh local instance even when a `ray start` cluster runs on this machine (ray.init would join it).
     monkeypatch.setenv("RAY_ADDRESS", "local")
+    prompts = _prompts(3, (6, 19, 30))
+    mono = LLM(**_kw(model))
+    try:
+        expected = _mono(mono, prompts)
+    finally:
+        mono.shutdown()
     with fresh_local_ray(num_cpus=4):
-        producer = LLM(**_kw(model, tensor_parallel_size=2, distributed_executor_backend="ray"),
-                       kv_transfer_config=_p2p("kv_producer"))
-        consumer = LLM(**_kw(model, block_size=8), kv_transfer_config=_p2p("kv_consumer"))
-        mono = LLM(**_kw(model))
-        try:
-            prompts = _prompts(3, (6, 19, 30))
-            pre = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL, use_tqdm=False)
-            addresses = pre[0].kv_transfer_params["remote_addresses"]
-            assert [a["rank"] for a in addresses] == [0, 1] and addresses[0]["port"] != addresses[1]["port"]
-            outs = consumer.generate([{"prompt_token_ids": p} for p in prompts],
-                                     [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                     kv_transfer_params=o.kv_transfer_params) for o in pre],
-                                     use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in outs] == _mono(mono, prompts)
-            stats = consumer.llm_engine.get_stats().kv_transfer
-            assert stats["loads"] == 3 and stats["fallbacks"] == 0
-            # The producer's ranks are Ray actors: their readers' releases reach its engine through release_kv.
-            producer.llm_engine.release_kv([o.kv_transfer_params["remote_request_id"] for o in pre])
-            _drain_producer(producer)
-            assert _all_free(producer) and _all_free(consumer)
-        finally:
-            for llm in (consumer, mono, producer):
-                llm.shutdown()
+        for producer_kw, consumer_kw in CROSS_PROCESS:
+            producer = LLM(**_kw(model, **producer_kw), kv_transfer_config=_p2p("kv_producer"))
+            consumer = LLM(**_kw(model, **consumer_kw), kv_transfer_config=_p2p("kv_consumer"))
+            try:
+                pre = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL, use_tqdm=False)
+                addresses = pre[0].kv_transfer_params["remote_addresses"]
+                assert [a["rank"] for a in addresses] == [0, 1] and addresses[0]["port"] != addresses[1]["port"]
+                outs = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                                         [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                         kv_transfer_params=o.kv_transfer_params) for o in pre],
+                                         use_tqdm=False)
+                assert [o.outputs[0].token_ids for o in outs] == expected, (producer_kw, consumer_kw)
+                stats = consumer.llm_engine.get_stats().kv_transfer
+                assert stats["loads"] == 3 and stats["fallbacks"] == 0, stats
+                # Ray-actor ranks cannot reach their engine's scheduler: whoever routes the requests releases
+                # them through release_kv (cluster/pd does); the transport's releases are a no-op there.
+                producer.llm_engine.release_kv([o.kv_transfer_params["remote_request_id"] for o in pre])
+                _drain_producer(producer)
+                assert _all_free(producer) and _all_free(consumer)
+            finally:
+                consumer.shutdown()
+                producer.shutdown()
