@@ -38,7 +38,7 @@ test-slow: install
 
 # Benchmarks: `pagedserve bench ...` (docs/benchmarks.md); each writes its JSON report into $(BENCH_OUT),
 # from which `make bench-readme` regenerates the README's performance section. ARGS adds or overrides flags.
-BENCH_OUT ?= benchmarks/results
+BENCH_OUT ?= benchmarks/reports
 PAGEDSERVE := $(VENV)/bin/pagedserve
 
 # Offline throughput against HF transformers `generate` (static batching at its best batch size), on the

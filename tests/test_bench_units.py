@@ -192,3 +192,15 @@ def test_bad_arguments_are_clear_errors(capsys, tmp_path):
         main(["bench", "serve", "--request-rate", "-1"])
     with pytest.raises(SystemExit):
         main(["tune", "--slo", "ttft:1s", "--max-num-seqs", "0"])
+
+
+def test_readme_performance_section_matches_the_committed_reports():
+    """The README's generated section is what `make bench-readme` writes from benchmarks/reports/."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    reports = sorted((root / "benchmarks" / "reports").glob("*.json"))
+    assert reports, "benchmarks/reports/ holds the reports the README is generated from"
+    text = (root / "README.md").read_text()
+    section = readme.render([rep.load_report(p) for p in reports])
+    assert readme.rewrite_section(text, section) == text, "README out of date: run `make bench-readme`"

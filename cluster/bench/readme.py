@@ -37,7 +37,7 @@ def _md_table(headers: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def _roofline_cells(run: dict[str, Any]) -> str:
-    parts = [f"{phase}: {r['percent_of_ideal']:.1f}% of {r['ideal_s'] * 1e3:.3g} ms ({r['verdict']})"
+    parts = [f"{phase}: {r['percent_of_ideal']:.1f}% of {r['ideal_s'] * 1e3:.1f} ms ({r['verdict']})"
              for phase, r in (run.get("roofline") or {}).items()]
     return "; ".join(parts) or "-"
 
@@ -54,7 +54,7 @@ def render_report(report: dict[str, Any]) -> list[str]:
     conditions = (f"{env['cpu_count']} CPUs, torch {env['torch']} with {env['torch_threads']} threads"
                   + (f", load average {env['load_average'][0]:.1f}" if env.get("load_average") else ""))
     if machine:
-        flops = ", ".join(f"{k} {v:.0f}" for k, v in machine["matmul_gflop_s"].items())
+        flops = ", ".join(f"{k} {v:.3g}" for k, v in machine["matmul_gflop_s"].items())
         conditions += f"; probed {machine['memory_bandwidth_gb_s']:.1f} GB/s, matmul GFLOP/s {flops}"
     lines = [f"**`bench {cmd}`** on `{model}` ({report['created'][:10]}; {conditions}):", ""]
     runs = report["runs"]
@@ -82,8 +82,10 @@ def render_report(report: dict[str, Any]) -> list[str]:
         if cmd == "tune":
             lines += ["", f"Best inside the SLO: {best['name'] if best else 'none'}."]
         elif report["summary"].get("slo_ms"):
-            lines += ["", f"Highest rate meeting the SLO {report['summary']['slo_ms']} (ms): "
-                          f"{report['summary'].get('max_rate_meeting_slo')}."]
+            slo = ", ".join(f"{k} {v:g} ms" for k, v in report["summary"]["slo_ms"].items())
+            rate = report["summary"].get("max_rate_meeting_slo")
+            lines += ["", f"Highest request rate meeting the SLO ({slo}, >= {report['summary']['slo_attainment']:.0%}"
+                          f" of requests): {'none of those tried' if rate is None else rate}."]
     workload = {k: cfg[k] for k in ("num_prompts", "input_len", "output_len", "batch_size", "request_rate",
                                     "max_concurrency", "dtype", "random_weights") if cfg.get(k) is not None}
     lines += ["", f"Settings: `{workload}`.", ""]
