@@ -163,7 +163,7 @@ class PDClient:
         pools = {"prefill": self.prefill.aggregate_stats(), "decode": self.decode.aggregate_stats()}
         out: dict[str, Any] = {key: sum(int(p.get(key, 0)) for p in pools.values()) for key in (*COUNTER_KEYS,
                                                                                                  *GAUGE_KEYS)}
-        engines = [{**e, "pool": pool, "engine_index": f"{pool}-{e.get('engine_index', i)}"}
+        engines = [{**e, "pool": pool, "engine_index": f"{pool}-{i}"}
                    for pool, stats in pools.items() for i, e in enumerate(stats["engines"])]
         usages = [float(e.get("kv_cache_usage", 0.0)) for e in engines if e.get("available") and "kv_cache_usage" in e]
         out["kv_cache_usage"] = sum(usages) / len(usages) if usages else 0.0

@@ -1,0 +1,251 @@
+"""The PD client and the OpenAI app over a prefill engine and a decode engine in one process (the
+in-process KV transport, no Ray): every answer equals the monolithic engine's, and the PD paths
+(prefill answer, decode-only, fallbacks, releases) leave every block free on both engines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import RayActorError
+
+from tests.local_serving import LocalHandle, LocalServer
+from tests.pd_local import MODEL_NAME, LocalPD, metric, normalized, same_answer, sse_summary
+
+PROMPTS = [[(11 * i + 7 * k) % 480 + 10 for k in range(n)] for i, n in enumerate((3, 4, 9, 17, 30))]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_factory):
+    model = str(tiny_model_factory("llama", max_position_embeddings=512))
+    mono = LocalServer(model)
+    pd = LocalPD(model)
+    try:
+        yield mono, pd
+    finally:
+        pd.close()
+        mono.close()
+
+
+@pytest.fixture(scope="module")
+def clients(servers):
+    mono, pd = servers
+    with mono.test_client() as mono_client, pd.test_client() as pd_client:
+        yield mono_client, pd_client
+
+
+@pytest.fixture(autouse=True)
+def every_block_free(servers):
+    yield
+    mono, pd = servers
+    for free, total, held in pd.wait_idle():
+        assert (free, held) == (total, 0)
+    free, total = mono.kv_blocks_when_idle()
+    assert free == total
+
+
+def both(clients, path: str, body: dict) -> tuple[dict, dict]:
+    mono_client, pd_client = clients
+    body = {"model": MODEL_NAME, **body}
+    mono, pd = mono_client.post(path, json=body), pd_client.post(path, json=body)
+    assert mono.status_code == 200, mono.text
+    assert pd.status_code == 200, pd.text
+    return normalized(mono.json()), normalized(pd.json())
+
+
+def test_greedy_completions_equal_monolithic(clients, servers):
+    _, pd = servers
+    before = pd.kv_stats(pd.decode)["loads"]
+    for prompt in PROMPTS:
+        mono, disagg = both(clients, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert not same_answer(mono, disagg)
+    assert pd.kv_stats(pd.decode)["loads"] > before  # the decode engine loaded prompts, not computed them
+    assert pd.client.counters.pd_requests >= len(PROMPTS)
+
+
+def test_streaming_with_usage_equals_monolithic(clients):
+    mono_client, pd_client = clients
+    for prompt in PROMPTS[1:4]:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0,
+                "stream_options": {"include_usage": True}, "logprobs": 1}
+        mono = sse_summary(mono_client, "/v1/completions", body)
+        assert not same_answer(mono, sse_summary(pd_client, "/v1/completions", body))
+        assert mono["usage"]["completion_tokens"] == 10
+
+
+def test_n_logprobs_and_seeded_sampling_equal_monolithic(clients):
+    for body in ({"n": 3, "logprobs": 2, "temperature": 0}, {"n": 2, "temperature": 1.0, "seed": 7, "logprobs": 1},
+                 {"temperature": 0.8, "top_k": 20, "seed": 3}):
+        mono, disagg = both(clients, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 6, **body})
+        assert not same_answer(mono, disagg)
+
+
+def test_stop_strings_and_chat_equal_monolithic(clients):
+    mono, _ = both(clients, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0})
+    text = mono["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip()
+    mono, disagg = both(clients, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0,
+                                                      "stop": [stop]})
+    assert not same_answer(mono, disagg) and mono["choices"][0]["finish_reason"] == "stop"
+    chat = {"messages": [{"role": "user", "content": "paged attention stores keys"}], "max_tokens": 8,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    mono, disagg = both(clients, "/v1/chat/completions", chat)
+    assert not same_answer(mono, disagg)
+    mono_client, pd_client = clients
+    body = {"model": MODEL_NAME, **chat}
+    assert not same_answer(sse_summary(mono_client, "/v1/chat/completions", body),
+                           sse_summary(pd_client, "/v1/chat/completions", body))
+
+
+def test_one_token_is_answered_by_the_prefill(clients, servers):
+    _, pd = servers
+    decode_prompts = pd.decode.engine.get_stats().scheduler.num_prompt_tokens
+    answers = pd.client.counters.prefill_answers
+    mono, disagg = both(clients, "/v1/completions", {"prompt": PROMPTS[4], "max_tokens": 1, "temperature": 0})
+    assert not same_answer(mono, disagg)
+    assert pd.client.counters.prefill_answers == answers + 1
+    assert pd.decode.engine.get_stats().scheduler.num_prompt_tokens == decode_prompts
+
+
+def test_prompt_logprobs_run_on_the_decode_engine_alone(clients, servers):
+    _, pd = servers
+    decode_only = pd.client.counters.decode_only
+    mono, disagg = both(clients, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0,
+                                                      "prompt_logprobs": 1, "echo": False})
+    assert not same_answer(mono, disagg)
+    assert pd.client.counters.decode_only == decode_only + 1
+
+
+def test_only_blocks_the_decode_cache_lacks_move(clients, servers):
+    _, pd = servers
+    prompt = [(5 * k) % 470 + 20 for k in range(26)]
+    first = pd.kv_stats(pd.decode)
+    both(clients, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+    second = pd.kv_stats(pd.decode)
+    both(clients, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+    third = pd.kv_stats(pd.decode)
+    assert second["loaded_tokens"] - first["loaded_tokens"] == len(prompt) - 1
+    # The second time the decode engine's prefix cache holds the full blocks: only the tail moves.
+    moved = third["loaded_tokens"] - second["loaded_tokens"]
+    assert 0 <= moved < 4
+    assert third["loaded_bytes"] - second["loaded_bytes"] < (second["loaded_bytes"] - first["loaded_bytes"]) / 4
+
+
+def test_metrics_report_kv_transfer_and_pools(clients):
+    _, pd_client = clients
+    pd_client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[4], "max_tokens": 3,
+                                            "temperature": 0})
+    text = pd_client.get("/metrics").text
+    assert metric(text, "pagedserve:kv_transfer_bytes_total") > 0
+    assert metric(text, "pagedserve:kv_transfer_blocks_pulled_total") > 0
+    assert metric(text, "pagedserve:kv_transfer_time_seconds_count") > 0
+    assert 'pool="prefill"' in text and 'pool="decode"' in text
+    assert 'engine_index="prefill-0"' in text and 'engine_index="decode-0"' in text
+
+
+# --------------------------------------------------------------------------- faults
+
+
+class _DeadOnGenerate:
+    """A handle whose actor is gone: generate streams fail with RayActorError (stats still answer)."""
+
+    def __init__(self, inner: LocalHandle, after_outputs: int = 0) -> None:
+        self.inner = inner
+        self.after_outputs = after_outputs
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    @property
+    def generate(self):
+        outer = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                async def stream():
+                    if outer.after_outputs:  # the engine served some outputs before it died
+                        produced = 0
+                        inner = outer.inner.generate.remote(*args)
+                        async for ref in inner:
+                            produced += 1
+                            yield ref
+                            if produced >= outer.after_outputs:
+                                break
+                        await inner.aclose()
+                    raise RayActorError()
+
+                return stream()
+
+        return _Method()
+
+
+def test_dead_prefill_engine_falls_back_to_the_decode_engine(clients, servers):
+    _, pd = servers
+    state = pd.client.prefill.engines[0]
+    fallbacks = pd.client.counters.prefill_fallbacks
+    state.handle = _DeadOnGenerate(pd.prefill_handle)
+    try:
+        mono, disagg = both(clients, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0})
+    finally:
+        state.handle = pd.prefill_handle
+        state.available = True
+    assert not same_answer(mono, disagg)
+    assert pd.client.counters.prefill_fallbacks == fallbacks + 1
+
+
+def test_dead_decode_engine_fails_cleanly_and_releases_the_hold(clients, servers):
+    _, pd = servers
+    _, pd_client = clients
+    state = pd.client.decode.engines[0]
+    state.handle = _DeadOnGenerate(pd.decode_handle, after_outputs=1)
+    try:
+        response = pd_client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[4],
+                                                           "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "engine_dead"
+        with pd_client.stream("POST", "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[3],
+                                                               "max_tokens": 40, "stream": True}) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert any('"engine_dead"' in line for line in lines) and lines[-1] == "data: [DONE]"
+    finally:
+        state.handle = pd.decode_handle
+        state.available = True
+    # (every_block_free: the producer's holds were released, the abandoned decodes finished)
+
+
+def test_decode_failure_before_any_output_releases_the_hold(clients, servers):
+    _, pd = servers
+    _, pd_client = clients
+    state = pd.client.decode.engines[0]
+    state.handle = _DeadOnGenerate(pd.decode_handle, after_outputs=0)
+    try:
+        response = pd_client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[4],
+                                                           "max_tokens": 5, "temperature": 0})
+        assert response.status_code == 503
+    finally:
+        state.handle = pd.decode_handle
+        state.available = True
+    figures = pd.wait_idle()
+    assert figures[0][2] == 0  # nothing held on the prefill engine
+
+
+def test_unpulled_kv_is_freed_after_the_hold_timeout(tiny_model_factory):
+    """A consumer that never pulls: the producer frees the blocks once hold_timeout_s passes."""
+    pd = LocalPD(str(tiny_model_factory("llama", max_position_embeddings=512)), hold_timeout_s=0.5)
+    try:
+        async def prefill_only() -> dict:
+            outputs = [o async for o in pd.prefill.generate("lonely", {"prompt_token_ids": PROMPTS[4]},
+                                                            {"max_tokens": 1, "temperature": 0,
+                                                             "kv_transfer_params": {"do_remote_decode": True}})]
+            return outputs[-1].kv_transfer_params
+
+        params = asyncio.run(prefill_only())
+        assert params["remote_block_ids"]
+        assert pd.kv_stats(pd.prefill)["held_requests"] in (0, 1)
+        (free, total, held), _ = pd.wait_idle(timeout_s=20)
+        assert (free, held) == (total, 0)
+        assert pd.kv_stats(pd.prefill)["expired_holds"] == 1
+    finally:
+        pd.close()
