@@ -6,7 +6,8 @@ several consumer ranks on one producer rank, producer errors and timeouts as err
 close); and whole engines: two offline LLMs wired with torch_p2p give one LLM's greedy tokens with
 different block sizes and prefix hits on the consumer (fewer bytes moved), a producer whose
 listener is gone makes the consumer fall back, and a TP=2 Ray producer feeds a TP=1 consumer across
-processes. Every block on both sides is free afterwards. Everything listens on 127.0.0.1.
+processes (a spawned producer process in the default run; Ray TP/PP worker groups in the slow one). Every
+block on both sides is free afterwards. Everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def _config(role: str, **extra) -> KVTransferConfig:
                             kv_connector_extra_config={"kv_host": HOST, "read_timeout_s": 20, **extra})
 
 
-def _source(layout: KVLayout = LAYOUT, num_blocks: int = 8, rank: int = 0) -> KVSource:
-    gen = torch.Generator().manual_seed(rank)
+def _source(layout: KVLayout = LAYOUT, num_blocks: int = 8, rank: int = 0, seed: int = 0) -> KVSource:
+    gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size)
     caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(layout.num_layers)]
     return KVSource(layout, rank, caches)
@@ -249,6 +250,53 @@ def test_a_consumer_gone_mid_read_does_not_wedge_the_producer(transports):
     second = transports("kv_consumer")
     got = _read_all(second.read(address, spec), spec)
     assert torch.equal(got[1][0], base.read_layer(spec, 1)[0])
+
+
+def _serve_in_child(addresses, stop) -> None:
+    """A producer rank in another process (spawned): serve a seeded source until told to stop."""
+    transport = TorchP2PTransport(_config("kv_producer"), LAYOUT, 0, torch.device("cpu"))
+    released: list[str] = []
+    source = _source(seed=1)
+    source.release_sink = released.append
+    try:
+        addresses.put(transport.serve(source))
+    except Exception as exc:  # noqa: BLE001 - the parent fails fast with the reason
+        addresses.put(exc)
+        raise
+    stop.wait(120)
+    deadline = time.monotonic() + 30  # the release frame may still be in flight
+    while not released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    addresses.put(released)
+    transport.close()
+
+
+def test_a_producer_rank_in_another_process_is_read_through_its_address(transports):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    addresses, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_serve_in_child, args=(addresses, stop), daemon=True)
+    child.start()
+    try:
+        address = addresses.get(timeout=120)
+        assert isinstance(address, dict), address
+        consumer = transports("kv_consumer")
+        spec = ReadSpec("far", (6, 1, 4), 2, 12, (0, 2), 0, 2)
+        got = _read_all(consumer.read(address, spec), spec)
+        expected = _source(seed=1)  # the same seeded cache as the child's
+        for (k, v), layer in zip(got, spec.layers):
+            ek, ev = expected.read_layer(spec, layer)
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+        consumer.release(address, "far")
+        stop.set()
+        assert addresses.get(timeout=60) == ["far"]
+    finally:
+        stop.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
 
 
 def test_bad_transport_settings_name_the_field(transports):
