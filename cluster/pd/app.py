@@ -106,7 +106,7 @@ class PagedServePDIngress:
 
     async def get_engine_info(self) -> list[dict]:
         """Every engine's `ready()` answer, with its pool."""
-        return [{**answer, "pool": role, "name": name}
+        return [{**answer, "pool": role, "name": name, "namespace": self.info[role]["namespace"]}
                 for role in ("prefill", "decode")
                 for name, answer in zip(self.info[role]["names"], self.info[role]["ready"])]
 
