@@ -140,6 +140,14 @@ def test_reads_return_the_producers_layers_and_interleaved_reads_on_one_pair_sta
     a = ReadSpec("a", (5, 2, 7), 1, 11, (0, 1, 2), 0, 2)
     b = ReadSpec("b", (3, 0), 0, 6, (1, 2), 1, 2)
     ra, rb = consumer.read(address, a), consumer.read(address, b)
+    # Every layer of both reads arrives in the background, before anyone waits for a layer: a consumer's
+    # compute of early layers overlaps the transfer of later ones.
+    last_v = rb.posted[-1][1][2]  # b's last layer's V buffer, the last message on the wire
+    expected_v = source.read_layer(b, 2)[1]
+    deadline = time.monotonic() + 60
+    while not torch.equal(last_v, expected_v):
+        assert time.monotonic() < deadline, "the transfer did not progress on its own"
+        time.sleep(0.01)
     got_a, got_b = {}, {}
     # The consumer waits in an order unlike the wire's (a's layers, then b's): buffers are per read.
     got_b[1] = rb.wait_layer(1)
@@ -191,14 +199,16 @@ def test_producer_errors_reach_the_reader_and_the_pair_stays_usable(transports):
         reader.wait_layer(0)
     reader.close()
     too_far = ReadSpec("short", (0,), 0, 8, (0, 1), 0, 2)  # 8 tokens in one block of 4
-    with pytest.raises(RuntimeError, match="only 1 blocks"):
-        consumer.read(address, too_far).wait_layer(0)
     bad_heads = ReadSpec("heads", (0, 1), 0, 8, (0,), 1, 3)
-    with pytest.raises(RuntimeError, match="heads"):
-        consumer.read(address, bad_heads).wait_layer(0)
+    for spec, match in ((too_far, "only 1 blocks"), (bad_heads, "heads")):
+        reader = consumer.read(address, spec)
+        with pytest.raises(RuntimeError, match=match):
+            reader.wait_layer(spec.layers[0])
+        reader.close()  # as the worker connector does after a failure: the rest of the stream is drained
     good = ReadSpec("ok", (2, 3), 0, 8, (0, 1, 2), 0, 2)
     got = _read_all(consumer.read(address, good), good)  # the stream stayed aligned
     assert torch.equal(got[2][1], source.read_layer(good, 2)[1])
+    assert [len(p.live) for p in consumer._pairs.values()] == [0]  # no receive buffer outlives its read
 
 
 def test_release_reaches_the_producers_source(transports):
@@ -381,7 +391,8 @@ def model(tiny_model_factory):
 
 
 def test_two_llms_over_torch_p2p_match_one_llm_and_prefix_hits_move_fewer_bytes(model):
-    producer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_producer"))
+    # The producer prefills in chunks of 16 tokens; the consumer's blocks are twice the producer's.
+    producer = LLM(**_kw(model, max_num_batched_tokens=16), kv_transfer_config=_p2p("kv_producer"))
     consumer = LLM(**_kw(model, block_size=8), kv_transfer_config=_p2p("kv_consumer"))
     mono = LLM(**_kw(model))
     try:

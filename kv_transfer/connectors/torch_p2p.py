@@ -58,16 +58,13 @@ class _Pair:
         self.group: dist.ProcessGroup | None = None
         self.lock = threading.Lock()
         self.broken: str | None = None
-        # Every posted receive with its buffer, until it completes: a receive whose Work is dropped early
-        # would let the next message land in the wrong buffer (a reader may be dropped mid-read).
-        self.posted: list[tuple[list[Any], list[torch.Tensor]]] = []
+        # Readers with receives not yet waited for: a receive whose Work and buffer were dropped early could
+        # let the next message land in the wrong place. (Gloo marks a receive complete only in wait(), even
+        # though its data arrives in the background, so completion is tracked here.)
+        self.live: set[P2PLayerReader] = set()
 
     def send(self, message: dict[str, Any]) -> None:
         self.sock.sendall(p2p_protocol.encode_frame(message))
-
-    def prune(self) -> None:
-        with self.lock:
-            self.posted = [e for e in self.posted if not all(w.is_completed() for w in e[0])]
 
     def mark_broken(self, reason: str) -> None:
         if self.broken is None:
@@ -96,11 +93,22 @@ class P2PLayerReader(LayerReader):
         except ValueError:
             raise ValueError(f"layer {layer} was not requested (or already read) in this read of "
                              f"{self.spec.layers}") from None
+        # Skipped layers are still received, in wire order.
+        for skipped in range(self._next, index + 1):
+            self._wait(skipped)
         self._next = index + 1
-        works, (status, k, v) = self.posted[index]
-        for work in works:
+        if self._next == len(self.posted):  # the read is done: its buffers belong to the caller alone now
+            self.pair.live.discard(self)
+        _, (status, k, v) = self.posted[index]
+        error = p2p_protocol.decode_status(status)
+        if error is not None:
+            raise RuntimeError(f"torch_p2p: the producer could not serve request {self.spec.remote_request_id}: {error}")
+        return k, v
+
+    def _wait(self, index: int) -> None:
+        for work in self.posted[index][0]:
             remaining = self.deadline - time.monotonic()
-            if self.pair.broken is not None and not work.is_completed():
+            if self.pair.broken is not None:
                 raise ConnectionError(f"torch_p2p: connection to the producer lost ({self.pair.broken})")
             try:
                 if remaining <= 0 or not work.wait(timedelta(seconds=remaining)):
@@ -110,17 +118,19 @@ class P2PLayerReader(LayerReader):
                 reason = "read_timeout_s expired" if timed_out else f"{exc.__class__.__name__}: {exc}"
                 self.pair.mark_broken(reason)
                 raise (TimeoutError if timed_out else ConnectionError)(
-                    f"torch_p2p: layer {layer} of request {self.spec.remote_request_id}: {reason}") from None
-        if self._next == len(self.posted):  # the read is done: its buffers belong to the caller alone now
-            self.pair.prune()
-        error = p2p_protocol.decode_status(status)
-        if error is not None:
-            raise RuntimeError(f"torch_p2p: the producer could not serve request {self.spec.remote_request_id}: {error}")
-        return k, v
+                    f"torch_p2p: layer {self.spec.layers[index]} of request {self.spec.remote_request_id}: "
+                    f"{reason}") from None
 
     def close(self) -> None:
-        """Nothing to cancel: the pair keeps the remaining receives until they complete (stream alignment)."""
+        """Receive the rest of the read (after a producer error: placeholders, already on their way), so
+        the pair's stream stays aligned for the next read; a pair that fails here is dropped."""
+        try:
+            for index in range(self._next, len(self.posted)):
+                self._wait(index)
+        except (ConnectionError, TimeoutError):
+            pass
         self._next = len(self.posted)
+        self.pair.live.discard(self)
 
 
 class TorchP2PTransport(KVTransport):
@@ -207,19 +217,19 @@ class TorchP2PTransport(KVTransport):
                 pair.send({"op": "read", "spec": p2p_protocol.spec_to_json(spec)})
                 if pair.group is None:
                     self._connect_group(pair)
-                pair.posted = [e for e in pair.posted if not all(w.is_completed() for w in e[0])]  # lock held
                 posted = []
                 for _ in spec.layers:
                     tensors = [torch.empty(p2p_protocol.STATUS_BYTES, dtype=torch.uint8, device=pair.wire),
                                torch.empty(shape, dtype=dtype, device=pair.wire),
                                torch.empty(shape, dtype=dtype, device=pair.wire)]
                     posted.append(([pair.group.recv([t], p2p_group.PRODUCER_RANK, 0) for t in tensors], tensors))
-                pair.posted.extend(posted)
+                reader = P2PLayerReader(pair, spec, posted, deadline)
+                pair.live.add(reader)
             except Exception as exc:
                 pair.mark_broken(f"{exc.__class__.__name__}: {exc}")
                 raise ConnectionError(f"torch_p2p: could not start a read from {address.get('host')}:"
                                       f"{address.get('port')}: {exc}") from exc
-        return P2PLayerReader(pair, spec, posted, deadline)
+        return reader
 
     def release(self, address: Any, remote_request_id: str) -> None:
         pair = self._pair(address)
