@@ -61,6 +61,13 @@ class LocalCluster:
             raise
 
     @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def replica_nodes(self, app: str, deployment: str) -> list[str]:
+        return replica_nodes(self.address, app, deployment)
+
+    @property
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
@@ -156,13 +163,14 @@ def wait_apps_running(names: list[str], timeout_s: float = 420.0) -> None:
         time.sleep(1.0)
 
 
-def replica_nodes(app: str, deployment: str) -> list[str]:
-    """Node ids of the live replicas of one deployment, from Ray's state API (`ray list actors`)."""
+def replica_nodes(address: str, app: str, deployment: str) -> list[str]:
+    """Node ids of the live replicas of one deployment, from Ray's state API (`ray list actors`) of the
+    cluster at `address` (named: other Ray instances may run on this machine)."""
     from ray.util.state import list_actors
 
     class_name = f"ServeReplica:{app}:{deployment}"
-    actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True,
-                         raise_on_missing_output=False)
+    actors = list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")],
+                         detail=True, raise_on_missing_output=False)
     return sorted(actor.node_id for actor in actors)
 
 

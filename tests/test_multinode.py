@@ -27,7 +27,7 @@ pytest.importorskip("ray")
 
 from pagedserve.cluster.ray_utils import free_port  # noqa: E402
 from tests.multinode_cluster import (  # noqa: E402
-    LocalCluster, node_resource, replica_nodes, serve_deploy, wait_apps_running,
+    LocalCluster, node_resource, serve_deploy, wait_apps_running,
 )
 
 MODEL = "tiny"
@@ -105,11 +105,11 @@ def completion_text(http: httpx.Client, app: str, prompt: list[int], max_tokens:
 
 
 def test_data_parallel_engines_run_on_different_nodes(cluster, http, hf_texts):
-    nodes = replica_nodes("dp", "dp-engine")
+    nodes = cluster.replica_nodes("dp", "dp-engine")
     assert len(nodes) == 2 and set(nodes) == {cluster.node_id("a"), cluster.node_id("b")}, (
         nodes, cluster.node_names())
     # The ingress (and Serve's proxy) stay on the head, where the config put them.
-    assert replica_nodes("dp", "dp-ingress") == [cluster.node_id("head")]
+    assert cluster.replica_nodes("dp", "dp-ingress") == [cluster.node_id("head")]
     for prompt, expected in zip(PROMPTS, hf_texts):
         assert completion_text(http, "dp", prompt) == expected
 
@@ -173,9 +173,11 @@ def check_clean_failure(outcome: dict) -> None:
 def test_worker_node_killed_under_load_fails_only_its_requests_and_recovers(cluster, http):
     import threading
 
+    from ray import serve
+
     victim = cluster.node_id("b")
     names = cluster.node_names()
-    assert victim in replica_nodes("dp", "dp-engine")
+    assert victim in cluster.replica_nodes("dp", "dp-engine")
     started = threading.Semaphore(0)
     requests = [("dp", [(7 * i + k) % 200 + 30 for k in range(6)]) for i in range(8)]
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
@@ -200,14 +202,25 @@ def test_worker_node_killed_under_load_fails_only_its_requests_and_recovers(clus
     cluster.wait_nodes(3)
     deadline = time.monotonic() + 420
     while True:
-        nodes = replica_nodes("dp", "dp-engine")
+        nodes = cluster.replica_nodes("dp", "dp-engine")
         if len(nodes) == 2 and set(nodes) == {cluster.node_id("a"), cluster.node_id("b")}:
             break
         assert time.monotonic() < deadline, (nodes, cluster.node_names())
         time.sleep(1.0)
-    wait_apps_running(["dp", "tp"])
-    assert cluster.node_id("b") != victim and victim not in names.keys() - {victim}
+    assert cluster.node_id("b") != victim and victim in names
     expected = completion_text(http, "dp", PROMPTS[1])
-    for _ in range(6):  # both dp engines, and the TP=2 engine on its new placement group, answer the same
+    for _ in range(6):  # both dp engines answer the same
         assert completion_text(http, "dp", PROMPTS[1]) == expected
-    assert completion_text(http, "tp", PROMPTS[1]) == expected
+    # The TP=2 engine lost a rank: its requests fail cleanly until Serve's health check replaces the replica
+    # (a new placement group over the three nodes), then it answers as before.
+    deadline = time.monotonic() + 420
+    while True:
+        response = http.post("/tp/v1/completions", json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+                                                        "temperature": 0.0, "ignore_eos": True})
+        if response.status_code == 200:
+            assert response.json()["choices"][0]["text"] == expected
+            break
+        assert response.status_code >= 500 and response.json()["error"]["message"], response.text
+        assert time.monotonic() < deadline, response.text
+        time.sleep(2.0)
+    wait_apps_running(["dp", "tp"])

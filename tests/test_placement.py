@@ -128,7 +128,8 @@ def test_can_place_is_exact_per_strategy(bundles, strategy, nodes, expected):
 
 
 def test_unplaceable_layout_fails_at_once_naming_the_layout_and_the_offer():
-    with pytest.raises(ValueError, match=r"tp=2 x pp=2.*never can: its 1 node\(s\): \{'CPU': 2.0\}.*num_cpus_per_worker"):
+    expected = r"tp=2 x pp=2.*never can: its 1 node\(s\): \{'CPU': 2.0\}.*num_cpus_per_worker"
+    with pytest.raises(ValueError, match=expected):
         placement.check_placeable([_rank(1)] * 4, "PACK", "tp=2 x pp=2: 4 ranks of {'CPU': 1.0} each",
                                   "lower num_cpus_per_worker", nodes=[{"CPU": 2.0}], autoscales=False)
 
