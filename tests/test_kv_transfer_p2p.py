@@ -309,6 +309,29 @@ def test_a_producer_rank_in_another_process_is_read_through_its_address(transpor
     assert child.exitcode == 0
 
 
+def test_misbehaving_peers_neither_block_other_consumers_nor_close(transports):
+    source = _source()
+    producer = transports("kv_producer")
+    address = producer.serve(source)
+    spec = ReadSpec("s", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    stalled = socket.create_connection((HOST, address["port"]), timeout=10)  # never joins its group
+    stalled.sendall(p2p_protocol.encode_frame({"op": "hello", "pair": "stalled", "device": "cpu"})
+                    + p2p_protocol.encode_frame({"op": "read", "spec": p2p_protocol.spec_to_json(spec)}))
+    garbage = socket.create_connection((HOST, address["port"]), timeout=10)
+    garbage.sendall(b"\x00\x00\x00\x05hello")
+    try:
+        consumer = transports("kv_consumer")
+        got = _read_all(consumer.read(address, spec), spec)
+        assert torch.equal(got[1][0], source.read_layer(spec, 1)[0])
+        assert garbage.recv(1) == b""  # the producer dropped the peer that spoke garbage
+        server = producer.server
+        producer.close()  # returns although one peer thread still waits for its group
+        assert not server._thread.is_alive()
+    finally:
+        stalled.close()
+        garbage.close()
+
+
 def test_bad_transport_settings_name_the_field(transports):
     with pytest.raises(ValueError, match="connect_timeout_s: must be > 0"):
         transports("kv_consumer", connect_timeout_s=0)

@@ -41,6 +41,7 @@ class P2PServer:
         except Exception:
             self.listener.close()
             raise
+        self.store_port = self.store.port
         self._peers: list[_Peer] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -124,9 +125,12 @@ class _Peer:
             if self.pair_key is None:
                 raise p2p_protocol.ProtocolError("read before hello")
             if self.group is None:
-                self.group = p2p_group.build_pair_group(
-                    self.server.store, self.pair_key, p2p_group.PRODUCER_RANK, self.backend, self.server.host,
-                    self.server.device, self.server.timeout_s)
+                # A store client of its own: a TCPStore client serializes its calls, so peers sharing one
+                # would wait behind a peer stuck in its rendezvous.
+                server = self.server
+                store = p2p_group.store_client(server.host, server.store_port, server.timeout_s)
+                self.group = p2p_group.build_pair_group(store, self.pair_key, p2p_group.PRODUCER_RANK, self.backend,
+                                                        server.host, server.device, server.timeout_s)
             self._serve_read(message.get("spec"))
         else:
             raise p2p_protocol.ProtocolError(f"unknown op {op!r}")

@@ -160,7 +160,7 @@ class TorchP2PTransport(KVTransport):
             except OSError as exc:
                 raise ValueError(f"kv_transfer_config.kv_connector_extra_config.kv_host: cannot listen on "
                                  f"{self.host!r}: {exc}") from None
-        return {"host": self.host, "port": self.server.port, "store_port": self.server.store.port,
+        return {"host": self.host, "port": self.server.port, "store_port": self.server.store_port,
                 "rank": self.rank, "engine_id": self.config.engine_id, "device": self.device.type}
 
     # ------------------------------------------------------------------ consumer
