@@ -162,6 +162,23 @@ def test_reads_return_the_producers_layers_and_interleaved_reads_on_one_pair_sta
         ra.wait_layer(0)  # layers are read once, in ascending order
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_kv_moves_bit_exact(dtype):
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, dtype=dtype, block_size=4)
+    base = _source(layout)
+    source = KVSource(layout, 0, [(k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))) for k, v in base.kv_caches])
+    producer = TorchP2PTransport(_config("kv_producer"), layout, 0, torch.device("cpu"))
+    consumer = TorchP2PTransport(_config("kv_consumer"), layout, 0, torch.device("cpu"))
+    try:
+        spec = ReadSpec("h", (4, 1), 1, 7, (0, 1), 0, 2)
+        for (k, v), layer in zip(_read_all(consumer.read(producer.serve(source), spec), spec), spec.layers):
+            ek, ev = source.read_layer(spec, layer)
+            assert k.dtype == getattr(torch, dtype) and torch.equal(k, ek) and torch.equal(v, ev)
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_several_consumer_ranks_read_one_producer_rank_concurrently(transports):
     source = _source()
     producer = transports("kv_producer")
