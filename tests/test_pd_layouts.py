@@ -1,0 +1,193 @@
+"""Prefill and decode pools with different layouts, through the Ray transport, driven by the PD client
+(no Serve): a TP=2 or PP=2 producer feeding a TP=1 consumer, and the reverse, give the monolithic
+engine's tokens; a producer killed between its prefill and the consumer's read makes the consumer
+compute the prompt itself. After every test every block on every engine is free and nothing is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from pagedserve.cluster.pd.client import PDClient
+from pagedserve.cluster.pd.pools import PoolSpec, start_pool, wait_pool_ready
+
+PROMPTS = [[(19 * i + 7 * k) % 470 + 20 for k in range(n)] for i, n in enumerate((3, 9, 21, 34))]
+KILL_PROMPT = [(23 * k) % 470 + 20 for k in range(29)]  # seen by no engine before the kill test
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama", max_position_embeddings=512))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> list[list[int]]:
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(model=model, dtype="float32", num_kv_blocks=64, block_size=4)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS, KILL_PROMPT]],
+                               SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.shutdown()
+
+
+def engine_kwargs(model: str, **overrides) -> dict:
+    return {"model": model, "dtype": "float32", "num_kv_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64,
+            **overrides}
+
+
+def start_pools(model: str, prefill: dict, decode: dict) -> tuple:
+    extra = {"read_timeout_s": 20}
+    return tuple(start_pool(PoolSpec(role, 1, engine_kwargs(model, **kwargs), num_cpus_per_engine=0.5,
+                                     kv_connector_extra_config=extra), "layouts")
+                 for role, kwargs in (("prefill", prefill), ("decode", decode)))
+
+
+class PD:
+    """A PD client over a prefill pool and a decode pool (one engine each); checks on exit that every
+    block is free and nothing held; shuts the pools down on exit when it owns them."""
+
+    def __init__(self, prefill, decode, owned: bool = False) -> None:
+        self.prefill, self.decode, self.owned = prefill, decode, owned
+        self.dead: list = []  # engines a test killed for good (not checked when idle)
+
+    async def __aenter__(self) -> "PD":
+        await wait_pool_ready(self.prefill, 300)
+        await wait_pool_ready(self.decode, 300)
+        self.client = PDClient(self.prefill.handles, self.decode.handles, self.prefill.names,
+                               prefill_block_size=4, decode_block_size=4, stats_interval_s=0.1)
+        self.client.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                await self.assert_idle()
+        finally:
+            await self.client.stop()
+            if self.owned:
+                self.prefill.shutdown()
+                self.decode.shutdown()
+
+    async def tokens(self, request_id: str, prompt: list[int]) -> list[int]:
+        out: list[int] = []
+        async for output in self.client.generate(request_id, prompt, {"max_tokens": MAX_TOKENS, "temperature": 0,
+                                                                      "ignore_eos": True}):
+            out += output.outputs[0].token_ids
+        return out
+
+    async def stats(self, handle) -> dict:
+        return await handle.get_stats.remote()
+
+    async def assert_idle(self, timeout_s: float = 30.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            figures = [await self.stats(h) for h in (*self.prefill.handles, *self.decode.handles)
+                       if not any(h is d for d in self.dead)]
+            idle = [(s["num_free_blocks"], s["num_total_blocks"], s["kv_transfer"].get("held_requests", 0))
+                    for s in figures]
+            if all(free == total and held == 0 for free, total, held in idle):
+                return
+            assert loop.time() < deadline, f"not idle (free, total, held): {idle}"
+            await asyncio.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def tp2_tp1(ray_local, model):
+    """A TP=2 prefill engine and a TP=1 decode engine for the module (the kill test runs last)."""
+    pools = start_pools(model, {"tensor_parallel_size": 2}, {})
+    try:
+        yield pools
+    finally:
+        for pool in pools:
+            pool.shutdown()
+
+
+async def _check_parity(pd: PD, expected: list[list[int]]) -> None:
+    got = await asyncio.gather(*(pd.tokens(f"r{i}", p) for i, p in enumerate(PROMPTS)))
+    assert list(got) == expected[:len(PROMPTS)]
+    kv = (await pd.stats(pd.decode.handles[0]))["kv_transfer"]
+    assert kv["loads"] >= len(PROMPTS) and kv["fallbacks"] == 0 and kv["loaded_bytes"] > 0
+
+
+def _parity_on_new_pools(model: str, expected: list[list[int]], prefill: dict, decode: dict) -> None:
+    async def run() -> None:
+        async with PD(*start_pools(model, prefill, decode), owned=True) as pd:
+            await _check_parity(pd, expected)
+
+    asyncio.run(run())
+
+
+def test_tp2_prefill_feeds_tp1_decode(tp2_tp1, expected):
+    async def run() -> None:
+        async with PD(*tp2_tp1) as pd:
+            await _check_parity(pd, expected)
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_pp2_prefill_feeds_pp1_decode(ray_local, model, expected):
+    _parity_on_new_pools(model, expected, {"pipeline_parallel_size": 2}, {})
+
+
+@pytest.mark.slow
+def test_tp1_prefill_feeds_pp2_decode(ray_local, model, expected):
+    _parity_on_new_pools(model, expected, {}, {"pipeline_parallel_size": 2})
+
+
+@pytest.mark.slow
+def test_block_size_8_prefill_feeds_tp2_block_size_4_decode(ray_local, model, expected):
+    _parity_on_new_pools(model, expected, {"block_size": 8}, {"tensor_parallel_size": 2})
+
+
+def test_producer_killed_before_the_read_makes_the_consumer_recompute(tp2_tp1, expected):
+    """The prefill finished and handed out its KV's address; then its (TP=2) engine dies. The decode
+    engine's read fails and it computes the prompt itself: same tokens, counted as a fallback."""
+    import ray
+
+    async def run() -> None:
+        async with PD(*tp2_tp1) as pools:
+            producer = pools.prefill.handles[0]
+            params = None
+            async for ref in producer.generate.remote("pre", {"prompt_token_ids": KILL_PROMPT},
+                                                      {"max_tokens": 1, "temperature": 0,
+                                                       "kv_transfer_params": {"do_remote_decode": True}}):
+                params = (await ref).kv_transfer_params or params
+            assert params is not None and len(params["remote_addresses"]) == 2
+            ray.kill(producer, no_restart=True)  # its rank actors die with it
+            pools.dead.append(producer)
+            consumer = pools.decode.handles[0]
+            before = (await pools.stats(consumer))["kv_transfer"]
+            tokens: list[int] = []
+            async for ref in consumer.generate.remote("dec", {"prompt_token_ids": KILL_PROMPT},
+                                                      {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                                                       "kv_transfer_params": params}):
+                tokens += (await ref).outputs[0].token_ids
+            assert tokens == expected[-1]
+            kv = (await pools.stats(consumer))["kv_transfer"]
+            assert (kv["fallbacks"] - before["fallbacks"], kv["loads"] - before["loads"]) == (1, 0)
+
+    asyncio.run(run())
