@@ -107,7 +107,7 @@ class _Peer:
                 if message is None or message["op"] == "bye":
                     return
                 self._handle(message)
-        except (OSError, p2p_protocol.ProtocolError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a peer did, only that peer is dropped
             if not self.server._closed:
                 logger.warning("torch_p2p: producer rank %d dropped peer %s: %s", self.server.source.rank, self.name, exc)
         finally:
@@ -117,7 +117,9 @@ class _Peer:
     def _handle(self, message: dict[str, Any]) -> None:
         op = message["op"]
         if op == "hello":
-            self.pair_key = str(message["pair"])
+            if not isinstance(message.get("pair"), str) or not message["pair"].isalnum():
+                raise p2p_protocol.ProtocolError(f"hello without a usable pair key: {message!r:.200}")
+            self.pair_key = message["pair"]
             self.backend = p2p_group.pick_backend(self.server.device.type, str(message.get("device", "cpu")))
         elif op == "release":
             self.server.source.release(str(message["id"]))
