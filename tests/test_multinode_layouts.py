@@ -107,3 +107,44 @@ def test_tp2_pp2_with_default_kv_budget_splits_it_among_the_ranks(tiny_llama):
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         llm.llm_engine.engine_core.executor.shutdown()
+
+
+@pytest.mark.slow
+def test_three_dp_engines_on_one_node_split_the_default_kv_budget(tiny_llama):
+    """DP=3 engine replicas on one 2-CPU node (0.5 CPU each), no kv_cache_memory: each takes its CPU share
+    (a quarter) of the node's default budget, so the three together stay within one engine's default."""
+    import httpx
+    from ray import serve
+    from transformers import AutoConfig
+
+    from pagedserve.cluster.ray_utils import free_port
+    from pagedserve.cluster.serve_app import server_url, start_server
+    from pagedserve.cluster.serving.settings import ServeArgs
+    from tests.test_serve_scaleout import metric_samples
+
+    single = default_kv_cache_memory()
+    hf = AutoConfig.from_pretrained(tiny_llama)
+    block = 16
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    bytes_per_block = 2 * hf.num_hidden_layers * block * kv_heads * head_dim * 4  # K and V, float32
+    args = ServeArgs(model=str(tiny_llama), dtype="float32", block_size=block, port=free_port(), api_key=None,
+                     served_model_name="tiny", data_parallel_size=3, num_cpus_per_engine=0.5, app_name="kvsplit",
+                     routing_stats_period_s=0.2, graceful_shutdown_timeout_s=5)
+    try:
+        start_server(args)
+        with httpx.Client(base_url=server_url(args), timeout=180) as http:
+            response = http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4})
+            assert response.status_code == 200, response.text
+            deadline = time.monotonic() + 120
+            while True:
+                totals = metric_samples(http.get("/metrics").text, "pagedserve:engine_kv_cache_total_blocks")
+                if len(totals) == 3 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+        assert len(totals) == 3, totals
+        allocated = [blocks * bytes_per_block for blocks in totals.values()]
+        assert all(a <= 1.05 * single / 4 for a in allocated), (allocated, single)
+        assert sum(allocated) <= 1.05 * single, (allocated, single)
+    finally:
+        serve.shutdown()
