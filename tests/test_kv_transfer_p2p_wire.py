@@ -1,0 +1,371 @@
+"""The torch_p2p KV transport's pieces (kv_transfer/connectors/: torch_p2p, p2p_protocol, p2p_server).
+
+The wire pieces directly (control frames, read specs, status messages), then the transport with its
+two ends in two threads of one process, or in a spawned process: layer data equal to the
+producer's cache and arriving before anyone waits (overlap), interleaved reads on one pair, several
+consumer ranks on one producer rank, producer errors and stalls as errors that leave the pair
+usable, releases, misbehaving peers, close. Whole engines: tests/test_kv_transfer_p2p.py. Everything
+listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from pagedserve.kv_transfer.config import KVTransferConfig
+from pagedserve.kv_transfer.connectors import p2p_protocol
+from pagedserve.kv_transfer.connectors.torch_p2p import TorchP2PTransport
+from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
+from pagedserve.kv_transfer.layout import KVLayout
+
+HOST = "127.0.0.1"
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_size=4, dtype="float32", block_size=4)
+
+# ---------------------------------------------------------------------- wire pieces
+
+
+def test_control_frames_round_trip_and_reject_garbage():
+    a, b = socket.socketpair()
+    with a, b:
+        messages = [{"op": "hello", "pair": "k", "device": "cpu"}, {"op": "release", "id": "req-1"}]
+        for m in messages:
+            a.sendall(p2p_protocol.encode_frame(m))
+        assert [p2p_protocol.recv_frame(b) for _ in messages] == messages
+        a.sendall(b"\x00\x00\x00\x03abc")
+        with pytest.raises(p2p_protocol.ProtocolError, match="not JSON"):
+            p2p_protocol.recv_frame(b)
+        a.sendall(p2p_protocol.encode_frame({"no_op": 1}))  # type: ignore[dict-item]
+        with pytest.raises(p2p_protocol.ProtocolError, match="without an op"):
+            p2p_protocol.recv_frame(b)
+        a.sendall((p2p_protocol.MAX_FRAME + 1).to_bytes(4, "big"))
+        with pytest.raises(p2p_protocol.ProtocolError, match="exceeds"):
+            p2p_protocol.recv_frame(b)
+        a.sendall(b"\x00\x00\x00\x10{")  # cut short
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(p2p_protocol.ProtocolError, match="inside a control frame"):
+            p2p_protocol.recv_frame(b)
+    c, d = socket.socketpair()
+    with c, d:
+        c.close()
+        assert p2p_protocol.recv_frame(d) is None  # a clean close between frames
+
+
+def test_read_spec_round_trips_through_json_and_malformed_specs_are_refused():
+    spec = ReadSpec("r1", (3, 1, 2), 2, 9, (0, 2), 1, 2)
+    assert p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(spec)) == spec  # inf expiry survives JSON
+    timed = ReadSpec("r2", (0,), 0, 3, (1,), 0, 2, expires_at=1234.5)
+    assert p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(timed)) == timed
+    with pytest.raises(ValueError, match="malformed"):
+        p2p_protocol.spec_from_json({"remote_request_id": "x"})
+    with pytest.raises(ValueError, match="empty or negative"):
+        p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(ReadSpec("r", (0,), 4, 4, (0,), 0, 1)))
+    with pytest.raises(ValueError, match="not ascending"):
+        p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(ReadSpec("r", (0,), 0, 4, (1, 0), 0, 1)))
+    assert p2p_protocol.layer_shape(spec, 8) == (7, 1, 8)
+
+
+def test_status_messages_carry_errors_and_truncate_long_ones():
+    assert p2p_protocol.decode_status(p2p_protocol.encode_status(None)) is None
+    status = p2p_protocol.encode_status("TimeoutError: hold expired ✓")
+    assert status.shape == (p2p_protocol.STATUS_BYTES,) and status.dtype == torch.uint8
+    assert p2p_protocol.decode_status(status) == "TimeoutError: hold expired ✓"
+    long = p2p_protocol.decode_status(p2p_protocol.encode_status("x" * 1000))
+    assert long == "x" * (p2p_protocol.STATUS_BYTES - 5)
+    bad = torch.zeros(p2p_protocol.STATUS_BYTES, dtype=torch.uint8)
+    bad[0] = 7
+    with pytest.raises(p2p_protocol.ProtocolError, match="unknown status"):
+        p2p_protocol.decode_status(bad)
+
+
+# ---------------------------------------------------------------------- the transport, two ends in one process
+
+
+def _config(role: str, **extra) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector="torch_p2p", kv_role=role,
+                            kv_connector_extra_config={"kv_host": HOST, "read_timeout_s": 20, **extra})
+
+
+def _source(layout: KVLayout = LAYOUT, num_blocks: int = 8, rank: int = 0, seed: int = 0) -> KVSource:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size)
+    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(layout.num_layers)]
+    return KVSource(layout, rank, caches)
+
+
+class _SlowSource(KVSource):
+    """A producer whose gather stalls (to exercise the reader's timeout)."""
+
+    stall = threading.Event()
+
+    def read_layer(self, spec, layer, slots=None):
+        self.stall.wait(30)
+        return super().read_layer(spec, layer, slots)
+
+
+@pytest.fixture
+def transports():
+    made: list[TorchP2PTransport] = []
+
+    def make(role: str, rank: int = 0, **extra) -> TorchP2PTransport:
+        t = TorchP2PTransport(_config(role, **extra), LAYOUT, rank, torch.device("cpu"))
+        made.append(t)
+        return t
+
+    yield make
+    for t in reversed(made):
+        t.close()
+
+
+def _read_all(reader, spec):
+    return [reader.wait_layer(layer) for layer in spec.layers]
+
+
+def test_reads_return_the_producers_layers_and_interleaved_reads_on_one_pair_stay_apart(transports):
+    source = _source()
+    producer, consumer = transports("kv_producer"), transports("kv_consumer")
+    address = producer.serve(source)
+    assert pickle.loads(pickle.dumps(address)) == address and address["host"] == HOST
+    a = ReadSpec("a", (5, 2, 7), 1, 11, (0, 1, 2), 0, 2)
+    b = ReadSpec("b", (3, 0), 0, 6, (1, 2), 1, 2)
+    ra, rb = consumer.read(address, a), consumer.read(address, b)
+    # Every layer of both reads arrives in the background, before anyone waits for a layer: a consumer's
+    # compute of early layers overlaps the transfer of later ones.
+    last_v = rb.posted[-1][1][2]  # b's last layer's V buffer, the last message on the wire
+    expected_v = source.read_layer(b, 2)[1]
+    deadline = time.monotonic() + 60
+    while not torch.equal(last_v, expected_v):
+        assert time.monotonic() < deadline, "the transfer did not progress on its own"
+        time.sleep(0.01)
+    got_a, got_b = {}, {}
+    # The consumer waits in an order unlike the wire's (a's layers, then b's): buffers are per read.
+    got_b[1] = rb.wait_layer(1)
+    got_a[0] = ra.wait_layer(0)
+    got_b[2] = rb.wait_layer(2)
+    got_a[1], got_a[2] = ra.wait_layer(1), ra.wait_layer(2)
+    for spec, got in ((a, got_a), (b, got_b)):
+        for layer in spec.layers:
+            k, v = source.read_layer(spec, layer)
+            assert torch.equal(got[layer][0], k) and torch.equal(got[layer][1], v)
+    with pytest.raises(ValueError, match="not requested"):
+        ra.wait_layer(0)  # layers are read once, in ascending order
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_kv_moves_bit_exact(dtype):
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, dtype=dtype, block_size=4)
+    base = _source(layout)
+    source = KVSource(layout, 0, [(k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))) for k, v in base.kv_caches])
+    producer = TorchP2PTransport(_config("kv_producer"), layout, 0, torch.device("cpu"))
+    consumer = TorchP2PTransport(_config("kv_consumer"), layout, 0, torch.device("cpu"))
+    try:
+        spec = ReadSpec("h", (4, 1), 1, 7, (0, 1), 0, 2)
+        for (k, v), layer in zip(_read_all(consumer.read(producer.serve(source), spec), spec), spec.layers):
+            ek, ev = source.read_layer(spec, layer)
+            assert k.dtype == getattr(torch, dtype) and torch.equal(k, ek) and torch.equal(v, ev)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_several_consumer_ranks_read_one_producer_rank_concurrently(transports):
+    source = _source()
+    producer = transports("kv_producer")
+    address = producer.serve(source)
+    consumers = [transports("kv_consumer", rank=r) for r in range(3)]
+    specs = [ReadSpec(f"r{i}", (i, 7 - i), 0, 8, (0, 1, 2), i % 2, i % 2 + 1) for i in range(3)]
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(3):  # several reads per pair, one after another
+                results[i] = _read_all(consumers[i].read(address, specs[i]), specs[i])
+        except Exception as exc:  # noqa: BLE001
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, spec in enumerate(specs):
+        assert not isinstance(results[i], Exception), results[i]
+        for (k, v), layer in zip(results[i], spec.layers):
+            ek, ev = source.read_layer(spec, layer)
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_producer_errors_reach_the_reader_and_the_pair_stays_usable(transports):
+    source = _source()
+    producer, consumer = transports("kv_producer"), transports("kv_consumer")
+    address = producer.serve(source)
+    expired = ReadSpec("old", (0, 1), 0, 8, (0, 1, 2), 0, 2, expires_at=time.time() - 1)
+    reader = consumer.read(address, expired)
+    with pytest.raises(RuntimeError, match="hold expired"):
+        reader.wait_layer(0)
+    reader.close()
+    too_far = ReadSpec("short", (0,), 0, 8, (0, 1), 0, 2)  # 8 tokens in one block of 4
+    bad_heads = ReadSpec("heads", (0, 1), 0, 8, (0,), 1, 3)
+    for spec, match in ((too_far, "only 1 blocks"), (bad_heads, "heads")):
+        reader = consumer.read(address, spec)
+        with pytest.raises(RuntimeError, match=match):
+            reader.wait_layer(spec.layers[0])
+        reader.close()  # as the worker connector does after a failure: the rest of the stream is drained
+    good = ReadSpec("ok", (2, 3), 0, 8, (0, 1, 2), 0, 2)
+    got = _read_all(consumer.read(address, good), good)  # the stream stayed aligned
+    assert torch.equal(got[2][1], source.read_layer(good, 2)[1])
+    assert [len(p.live) for p in consumer._pairs.values()] == [0]  # no receive buffer outlives its read
+
+
+def test_release_reaches_the_producers_source(transports):
+    source = _source()
+    released: list[str] = []
+    source.release_sink = released.append
+    producer, consumer = transports("kv_producer"), transports("kv_consumer")
+    address = producer.serve(source)
+    consumer.release(address, "req-7")
+    consumer.release(address, "req-8")
+    deadline = time.monotonic() + 30
+    while len(released) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert released == ["req-7", "req-8"]
+
+
+def test_a_stalled_producer_times_out_and_the_next_read_reconnects(transports):
+    layout_source = _source()
+    source = _SlowSource(LAYOUT, 0, layout_source.kv_caches)
+    _SlowSource.stall.clear()
+    producer = transports("kv_producer")
+    consumer = transports("kv_consumer", read_timeout_s=1.0)
+    address = producer.serve(source)
+    spec = ReadSpec("slow", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    reader = consumer.read(address, spec)
+    with pytest.raises(TimeoutError):
+        reader.wait_layer(0)
+    reader.close()
+    _SlowSource.stall.set()
+    got = _read_all(consumer.read(address, spec), spec)  # a fresh pair
+    assert torch.equal(got[0][0], source.read_layer(spec, 0)[0])
+
+
+def test_a_consumer_gone_mid_read_does_not_wedge_the_producer(transports):
+    base = _source()
+    source = _SlowSource(LAYOUT, 0, base.kv_caches)
+    _SlowSource.stall.clear()
+    producer = transports("kv_producer")
+    address = producer.serve(source)
+    spec = ReadSpec("gone", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    first = transports("kv_consumer")
+    first.read(address, spec)
+    first.close()  # mid-read: the producer is still gathering layer 0
+    _SlowSource.stall.set()
+    deadline = time.monotonic() + 60
+    while any(p.thread.is_alive() for p in producer.server._peers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(p.thread.is_alive() for p in producer.server._peers)  # its sends failed; the peer is dropped
+    second = transports("kv_consumer")
+    got = _read_all(second.read(address, spec), spec)
+    assert torch.equal(got[1][0], base.read_layer(spec, 1)[0])
+
+
+def _serve_in_child(addresses, stop) -> None:
+    """A producer rank in another process (spawned): serve a seeded source until told to stop."""
+    transport = TorchP2PTransport(_config("kv_producer"), LAYOUT, 0, torch.device("cpu"))
+    released: list[str] = []
+    source = _source(seed=1)
+    source.release_sink = released.append
+    try:
+        addresses.put(transport.serve(source))
+    except Exception as exc:  # noqa: BLE001 - the parent fails fast with the reason
+        addresses.put(exc)
+        raise
+    stop.wait(120)
+    deadline = time.monotonic() + 30  # the release frame may still be in flight
+    while not released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    addresses.put(released)
+    transport.close()
+
+
+def test_a_producer_rank_in_another_process_is_read_through_its_address(transports):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    addresses, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_serve_in_child, args=(addresses, stop), daemon=True)
+    child.start()
+    try:
+        address = addresses.get(timeout=120)
+        assert isinstance(address, dict), address
+        consumer = transports("kv_consumer")
+        spec = ReadSpec("far", (6, 1, 4), 2, 12, (0, 2), 0, 2)
+        got = _read_all(consumer.read(address, spec), spec)
+        expected = _source(seed=1)  # the same seeded cache as the child's
+        for (k, v), layer in zip(got, spec.layers):
+            ek, ev = expected.read_layer(spec, layer)
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+        consumer.release(address, "far")
+        stop.set()
+        assert addresses.get(timeout=60) == ["far"]
+    finally:
+        stop.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
+def test_misbehaving_peers_neither_block_other_consumers_nor_close(transports):
+    source = _source()
+    producer = transports("kv_producer")
+    address = producer.serve(source)
+    spec = ReadSpec("s", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    stalled = socket.create_connection((HOST, address["port"]), timeout=10)  # never joins its group
+    stalled.sendall(p2p_protocol.encode_frame({"op": "hello", "pair": "stalled", "device": "cpu"})
+                    + p2p_protocol.encode_frame({"op": "read", "spec": p2p_protocol.spec_to_json(spec)}))
+    garbage = socket.create_connection((HOST, address["port"]), timeout=10)
+    garbage.sendall(b"\x00\x00\x00\x05hello")
+    try:
+        consumer = transports("kv_consumer")
+        got = _read_all(consumer.read(address, spec), spec)
+        assert torch.equal(got[1][0], source.read_layer(spec, 1)[0])
+        assert garbage.recv(1) == b""  # the producer dropped the peer that spoke garbage
+        server = producer.server
+        producer.close()  # returns although one peer thread still waits for its group
+        assert not server._thread.is_alive()
+    finally:
+        stalled.close()
+        garbage.close()
+
+
+def test_bad_transport_settings_name_the_field(transports):
+    with pytest.raises(ValueError, match="connect_timeout_s: must be > 0"):
+        transports("kv_consumer", connect_timeout_s=0)
+    with pytest.raises(ValueError, match="connect_timeout_s: must be a number"):
+        transports("kv_consumer", connect_timeout_s="soon")
+    with pytest.raises(ValueError, match="kv_host: cannot listen on '203.0.113.1'"):
+        transports("kv_producer", kv_host="203.0.113.1").serve(_source())  # not an address of this machine
+
+
+def test_closed_or_missing_producers_fail_fast_and_close_stops_everything(transports):
+    producer, consumer = transports("kv_producer"), transports("kv_consumer")
+    address = producer.serve(_source())
+    spec = ReadSpec("x", (0, 1), 0, 8, (0,), 0, 2)
+    _read_all(consumer.read(address, spec), spec)
+    server = producer.server
+    producer.close()
+    assert not server._thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection((HOST, address["port"]), timeout=5).close()
+    with pytest.raises((ConnectionError, OSError)):
+        _read_all(consumer.read(address, spec), spec)
+    with pytest.raises(ValueError, match="not a torch_p2p address"):
+        consumer.read({"engine_id": "e", "rank": 0}, spec)
+    consumer.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        consumer.read(address, spec)
