@@ -1,0 +1,171 @@
+"""The PD shape's configuration: ServeArgs and the CLI flags (errors name the flag, incompatible layouts
+are refused naming both), the pools each side gets, the PD Serve config manifest through the app
+builder, the PD router's decisions, and the /metrics families (no Ray needed)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from pagedserve.cluster.cli import build_parser, serve_args_from
+from pagedserve.cluster.metrics import ServingMetrics
+from pagedserve.cluster.pd.app import build_pd_app, pool_specs
+from pagedserve.cluster.pd.client import prefill_is_answer, prefill_params
+from pagedserve.cluster.pd.pools import PoolSpec
+from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from tests.manifest_checks import ManifestError, build_serve_app, load_yaml, validate_serve_config
+from tests.pd_local import metric, metric_samples
+
+MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "serve_config_pd.yaml"
+
+
+def pd_args(model, **overrides) -> ServeArgs:
+    return ServeArgs(model=str(model), num_prefill_engines=2, num_decode_engines=1, **overrides)
+
+
+def test_pd_args_and_the_pools_they_describe(tiny_llama):
+    args = pd_args(tiny_llama, prefill_tensor_parallel_size=2, decode_pipeline_parallel_size=2, block_size=8,
+                   prefill_resources={"prefill_node": 1}, kv_connector_extra_config={"hold_timeout_s": 30})
+    assert args.disaggregated and not ServeArgs(model=str(tiny_llama)).disaggregated
+    specs = pool_specs(args)
+    assert (specs["prefill"].num_engines, specs["decode"].num_engines) == (2, 1)
+    assert specs["prefill"].engine_kwargs["tensor_parallel_size"] == 2
+    assert specs["prefill"].engine_kwargs["pipeline_parallel_size"] == 1
+    assert specs["decode"].engine_kwargs["pipeline_parallel_size"] == 2
+    assert specs["decode"].engine_kwargs["block_size"] == 8
+    assert specs["prefill"].resources == {"prefill_node": 1.0} and specs["decode"].resources == {}
+    kwargs = specs["prefill"].engine_kwargs_for("app-prefill-0", "serve")
+    kv = kwargs["kv_transfer_config"]
+    assert kv["kv_role"] == "kv_producer" and kv["engine_id"] == "app-prefill-0"
+    assert kv["kv_connector_extra_config"] == {"hold_timeout_s": 30, "ray_actor_name": "app-prefill-0",
+                                               "ray_namespace": "serve"}
+    assert specs["decode"].engine_kwargs_for("d", "ns")["kv_transfer_config"]["kv_role"] == "kv_consumer"
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"num_prefill_engines": 1}, "num_decode_engines"),
+    ({"num_decode_engines": 1}, "num_prefill_engines"),
+    ({"num_prefill_engines": 1, "num_decode_engines": 1, "kv_connector": "inproc"}, "kv_connector"),
+    ({"num_prefill_engines": 1, "num_decode_engines": 1, "kv_connector": "carrier_pigeon"}, "kv_connector"),
+    ({"num_prefill_engines": 1, "num_decode_engines": 1, "max_replicas": 3}, "data_parallel_size"),
+    ({"num_prefill_engines": 1, "num_decode_engines": 1, "kv_connector_extra_config": {"read_timeout_s": 0}},
+     "kv_connector_extra_config"),
+    ({"num_prefill_engines": 1, "num_decode_engines": 1, "kv_transfer_config": {"kv_connector": "ray",
+                                                                                "kv_role": "kv_both"}},
+     "kv_transfer_config"),
+    ({"num_prefill_engines": 0, "num_decode_engines": 1}, "num_prefill_engines"),
+])
+def test_bad_pd_args_name_the_field(tiny_llama, overrides, field):
+    with pytest.raises(ValueError, match=field):
+        ServeArgs(model=str(tiny_llama), **overrides)
+
+
+def test_a_layout_pair_that_cannot_exchange_kv_is_refused_naming_both(tiny_llama):
+    # The tiny model has 2 KV heads: TP=3 cannot re-slice them.
+    with pytest.raises(ValueError) as info:
+        pd_args(tiny_llama, decode_tensor_parallel_size=3)
+    message = str(info.value)
+    assert "decode_tensor_parallel_size" in message
+    assert "prefill layout" in message and "TP=1" in message and "decode layout" in message and "TP=3" in message
+    with pytest.raises(ValueError, match="prefill_pipeline_parallel_size"):
+        pd_args(tiny_llama, prefill_pipeline_parallel_size=3)  # 3 stages for 2 layers
+
+
+def test_cli_flags(tiny_llama, capsys):
+    parser = build_parser()
+    ns = parser.parse_args(["serve", str(tiny_llama), "--num-prefill-engines", "2", "--num-decode-engines", "3",
+                            "--prefill-tensor-parallel-size", "2", "--decode-pipeline-parallel-size", "2",
+                            "--kv-connector", "ray", "--decode-resources", '{"decode_node": 1}',
+                            "--kv-connector-extra-config", '{"hold_timeout_s": 5}'])
+    args = serve_args_from(ns)
+    assert (args.num_prefill_engines, args.num_decode_engines) == (2, 3)
+    assert (args.prefill_tensor_parallel_size, args.decode_pipeline_parallel_size) == (2, 2)
+    assert args.decode_resources == {"decode_node": 1.0} and args.kv_connector_extra_config == {"hold_timeout_s": 5}
+    for flags, flag in ((["--num-prefill-engines", "1"], "--num-decode-engines"),
+                        (["--num-prefill-engines", "1", "--num-decode-engines", "1", "--decode-tensor-parallel-size",
+                          "3"], "--decode-tensor-parallel-size"),
+                        (["--num-prefill-engines", "1", "--num-decode-engines", "1", "--kv-connector", "inproc"],
+                         "--kv-connector")):
+        with pytest.raises(SystemExit):
+            serve_args_from(parser.parse_args(["serve", str(tiny_llama), *flags]))
+        assert f"error: {flag}:" in capsys.readouterr().err
+
+
+def test_pool_spec_refusals():
+    with pytest.raises(ValueError, match="inproc"):
+        PoolSpec("prefill", 1, {}, kv_connector="inproc")
+    with pytest.raises(ValueError, match="decode_resources"):
+        PoolSpec("decode", 1, {}, resources={"GPU": 1})
+    with pytest.raises(ValueError, match="num_prefill_engines"):
+        PoolSpec("prefill", 0, {})
+
+
+def test_pd_serve_config_builds_the_pd_app(tiny_llama):
+    config = load_yaml(MANIFEST)
+    validate_serve_config(config)
+    app = config["applications"][0]
+    built = build_serve_app(app, tiny_llama)
+    ingress = built._bound_deployment
+    assert ingress.name == f"{app['args']['app_name']}-ingress"
+    assert [a._bound_deployment.name for a in ingress.init_args if hasattr(a, "_bound_deployment")] == [
+        f"{app['args']['app_name']}-pools"]
+    broken = copy.deepcopy(app)
+    del broken["args"]["num_decode_engines"]
+    with pytest.raises(ManifestError, match="num_decode_engines"):
+        build_serve_app(broken, tiny_llama)
+    broken = copy.deepcopy(app)
+    broken["args"].update(model=str(tiny_llama), decode_tensor_parallel_size=3)  # 2 KV heads
+    with pytest.raises(ManifestError, match="decode layout"):
+        build_serve_app(broken, tiny_llama)
+
+
+def test_build_pd_app_names_its_deployments(tiny_llama):
+    built = build_pd_app(pd_args(tiny_llama, app_name="demo", num_ingress_replicas=2))
+    assert built._bound_deployment.name == "demo-ingress"
+    assert built._bound_deployment.num_replicas == 2
+
+
+def _final(reason: str | None) -> RequestOutput:
+    return RequestOutput("r", None, [1, 2], None, [CompletionOutput(0, "x", [5], None, None, reason)], True)
+
+
+def test_prefill_stage_params_and_when_its_output_is_the_answer():
+    user = {"n": 3, "max_tokens": 50, "min_tokens": 4, "temperature": 0.7, "seed": 5, "prompt_logprobs": None,
+            "logprobs": 2, "stop": ["x"], "kv_transfer_params": None}
+    params = prefill_params(user)
+    assert params["n"] == 1 and params["max_tokens"] == 1 and params["min_tokens"] == 1
+    assert params["kv_transfer_params"] == {"do_remote_decode": True}
+    assert (params["temperature"], params["seed"], params["stop"], params["logprobs"]) == (0.7, 5, ["x"], 2)
+    assert not prefill_is_answer(user, _final("stop"))  # n=3: the decode engine makes all three
+    single = {**user, "n": 1}
+    assert prefill_is_answer(single, _final("stop"))  # the first token ended it (EOS / stop)
+    assert not prefill_is_answer(single, _final("length"))  # only max_tokens=1 of 50 was reached
+    assert prefill_is_answer({**single, "max_tokens": 1}, _final("length"))
+
+
+def test_metrics_families_of_the_pd_shape():
+    stats = {
+        "num_running": 3, "engines": [{"engine_index": "prefill-0"}, {"engine_index": "decode-0"}],
+        "kv_transfer": {"loaded_bytes": 4096, "loaded_blocks": 8, "loaded_tokens": 30, "loads": 2,
+                        "load_seconds": 0.5, "load_failures": 1, "fallbacks": 1, "held_requests": 2,
+                        "held_blocks": 5, "expired_holds": 0},
+        "pools": {"prefill": {"num_running": 1, "num_waiting": 4, "num_engines": 1},
+                  "decode": {"num_running": 2, "num_waiting": 0, "num_engines": 1}},
+        "pd": {"pd_requests": 7, "prefill_answers": 1, "decode_only": 0, "prefill_fallbacks": 2},
+    }
+    text = ServingMetrics("m", lambda: stats).render()[0].decode()
+    assert metric(text, "pagedserve:kv_transfer_bytes_total") == 4096
+    assert metric(text, "pagedserve:kv_transfer_blocks_pulled_total") == 8
+    assert metric(text, "pagedserve:kv_transfer_failures_total") == 1
+    assert metric(text, "pagedserve:kv_transfer_fallbacks_total") == 1
+    assert metric(text, "pagedserve:kv_transfer_held_blocks") == 5
+    assert metric(text, "pagedserve:kv_transfer_time_seconds_sum") == 0.5
+    assert metric(text, "pagedserve:kv_transfer_time_seconds_count") == 2
+    waiting = metric_samples(text, "pagedserve:pool_num_requests_waiting")
+    assert waiting == {'{model_name="m",pool="prefill"}': 4.0, '{model_name="m",pool="decode"}': 0.0}
+    assert metric_samples(text, "pagedserve:pd_requests_total")['{model_name="m",path="prefill_fallbacks"}'] == 2
+    monolithic = ServingMetrics("m", lambda: {"num_running": 1}).render()[0].decode()
+    assert "kv_transfer" not in monolithic and "pool_num_requests" not in monolithic
