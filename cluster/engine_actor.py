@@ -23,7 +23,8 @@ Streams: `generate` sends the prompt once, in a stream's first output (`stream_t
 when `STREAM_BACKPRESSURE_OBJECTS` outputs wait unread; what the engine produces meanwhile merges into
 the next delta. Placement: see `placement` (an engine on CUDA reserves its GPUs from Ray).
 - `ready()` also returns "max_num_seqs", "max_num_batched_tokens", "model", "served_model_name",
-  "tensor_parallel_size", "pipeline_parallel_size", "device", "pid" and "restarted" (True after a Ray restart).
+  "tensor_parallel_size", "pipeline_parallel_size", "device", "pid", "node_id" and "restarted" (True after a
+  Ray restart).
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ def _abort_output(request_id: str, prompt: str | dict, n: int) -> RequestOutput:
                          prompt_token_ids=prompt_ids, prompt_logprobs=None, outputs=outputs, finished=True)
 
 
+def _node_id() -> str | None:
+    """The Ray node this engine runs on (None outside Ray)."""
+    try:
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 async def _cancel_and_wait(future: asyncio.Future) -> None:
     if not future.done():
         future.cancel()
@@ -133,6 +142,7 @@ class EngineActor:
             "pipeline_parallel_size": config.pipeline_parallel_size,
             "device": config.device,
             "pid": os.getpid(),
+            "node_id": _node_id(),
             "restarted": bool(restarted),
         }
 
