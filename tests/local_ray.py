@@ -16,7 +16,8 @@ def fresh_local_ray(num_cpus: int) -> Iterator[None]:
         ray.shutdown()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")  # only because the test starts its own local Ray
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        # address="local": always a new cluster, never one a `ray start` left running on the machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         try:
             yield
         finally:

@@ -116,7 +116,7 @@ def test_tensor_parallel_on_ray_matches_hf(gguf_path, hf, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # only because this test starts its own local Ray
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     engine = None
     try:
         engine = LLM(model=str(gguf_path), dtype="float32", tensor_parallel_size=3, distributed_executor_backend="ray",

@@ -28,7 +28,7 @@ def engine_kwargs(tiny_llama) -> dict:
 @pytest.fixture(scope="module")
 def engines(engine_kwargs):
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     handles = start_engine_actors(engine_kwargs, data_parallel_size=2, name_prefix="test-dp")
     try:
         infos = wait_engines_ready(handles, timeout_s=300)

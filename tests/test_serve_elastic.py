@@ -40,7 +40,7 @@ def server(tiny_model_factory):
     from pagedserve.cluster.serve_app import server_url, start_server
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     args = engine_args(model, free_port())
     try:
         start_server(args)

@@ -81,7 +81,7 @@ def server(tiny_model_factory):
     from pagedserve.cluster.serve_app import server_url, start_server
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     args = ServeArgs(model=str(model), dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, port=free_port(),
                      served_model_name=MODEL, api_key=None, max_num_seqs=16, data_parallel_size=2,
                      num_ingress_replicas=2, num_cpus_per_engine=0.5, routing_stats_period_s=0.2, app_name=APP,
