@@ -25,6 +25,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # parent request id -> its child engine request ids (n > 1)
         self._children: dict[str, list[str]] = {}
+        self._step_seconds = 0.0  # cumulative wall time of step() (SchedulerStats.step_seconds)
 
     def add_request(
         self,
@@ -79,6 +80,13 @@ class LLMEngine:
         return self.engine_core.scheduler.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._step_seconds += time.perf_counter() - start
+
+    def _step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
@@ -96,7 +104,9 @@ class LLMEngine:
         return self.engine_core.free_released_kv()
 
     def get_stats(self) -> SchedulerStats:
-        return self.engine_core.get_stats()
+        stats = self.engine_core.get_stats()
+        stats.step_seconds = self._step_seconds
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

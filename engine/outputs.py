@@ -127,6 +127,10 @@ class SchedulerStats:
     num_prompt_tokens: int = 0  # cumulative computed prompt tokens
     num_generation_tokens: int = 0  # cumulative
     num_steps: int = 0  # cumulative engine steps that ran the model
+    # Cumulative seconds: inside the model (forward, logits, sampling; device time on CUDA) and whole
+    # engine steps (scheduling, inputs, model, outputs, detokenization). 1 - model/step = host share.
+    model_seconds: float = 0.0
+    step_seconds: float = 0.0
     # KV connector counters (kv_transfer.scheduler_connector.KVTransferStats as a dict); {} without one.
     kv_transfer: dict = field(default_factory=dict)
 

@@ -61,6 +61,9 @@ def test_bench_latency(model, roofline_file, tmp_path, capsys):
     assert 0 < lat["prefill"]["mean"] < lat["e2e"]["mean"] and lat["decode_per_token"]["mean"] > 0
     _check_roofline(run, {"prefill", "decode"})
     assert run["roofline"]["prefill"]["tokens"] == 24 and run["roofline"]["decode"]["tokens"] == 3
+    host = run["host_overhead"]  # the batch's 3 decode steps after its prefill, timed by the engine
+    assert host["steps"] == 3 and 0 < host["model_ms"] <= host["step_ms"] and 0 <= host["host_share"] < 1
+    assert "host overhead of a decode step at batch 3" in printed
 
 
 def test_bench_throughput_against_hf(model, roofline_file, tmp_path):
@@ -79,6 +82,7 @@ def test_bench_throughput_against_hf(model, roofline_file, tmp_path):
     assert report["summary"]["ratio_output_tokens_per_s"] == pytest.approx(
         ours["throughput"]["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"])
     _check_roofline(ours, {"run"})
+    assert ours["host_overhead"]["steps"] > 0 and 0 <= ours["host_overhead"]["host_share"] < 1
 
 
 def test_bench_throughput_dataset(model, tmp_path):

@@ -102,3 +102,22 @@ def positive(name: str, value: int, minimum: int = 1) -> int:
     if value is None or value < minimum:
         raise ValueError(f"{name}: must be >= {minimum}, got {value}")
     return value
+
+
+def host_overhead(before: Any, after: Any) -> dict[str, float] | None:
+    """The host's share of the engine steps between two `SchedulerStats` snapshots: 1 - (time inside the
+    model: forward, logits, sampling; device time on CUDA) / (wall time of the engine steps)."""
+    steps = after.num_steps - before.num_steps
+    step_s = after.step_seconds - before.step_seconds
+    model_s = after.model_seconds - before.model_seconds
+    if steps <= 0 or step_s <= 0:
+        return None
+    return {"steps": steps, "step_ms": 1000 * step_s / steps, "model_ms": 1000 * model_s / steps,
+            "host_share": max(0.0, 1 - model_s / step_s)}
+
+
+def host_overhead_line(figures: dict[str, float] | None, what: str) -> str:
+    if not figures:
+        return f"host overhead of {what}: not measured"
+    return (f"host overhead of {what}: {figures['host_share']:.1%} of a {figures['step_ms']:.1f} ms step "
+            f"({figures['model_ms']:.1f} ms in the model) over {figures['steps']} steps")

@@ -61,6 +61,25 @@ def _iteration(llm: Any, prompts: list[dict], params: Any) -> tuple[float, float
     return e2e, prefill, decode
 
 
+def _decode_host_overhead(llm: Any, prompts: list[dict], params: Any) -> dict[str, float] | None:
+    """The host's share of the batch's decode steps: prefill first (until every request has its first
+    token), then time the steps that follow."""
+    from pagedserve.engine.output_processor import OutputKind
+
+    engine = llm.llm_engine
+    llm.reset_prefix_cache()
+    waiting = {f"host-overhead-{i}" for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"host-overhead-{i}", prompt, params, output_kind=OutputKind.DELTA)
+    while waiting and engine.has_unfinished_requests():
+        for out in engine.step():
+            waiting.discard(out.request_id)
+    before = engine.get_stats()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return common.host_overhead(before, engine.get_stats())
+
+
 def run(ns: argparse.Namespace) -> int:
     check_args(ns)
     from pagedserve.engine.llm import LLM
@@ -79,6 +98,7 @@ def run(ns: argparse.Namespace) -> int:
             for _ in tqdm(range(ns.num_iters_warmup), desc="warm-up", leave=False):
                 _iteration(llm, prompts, params)
             times = [_iteration(llm, prompts, params) for _ in tqdm(range(ns.num_iters), desc="iterations")]
+            host = _decode_host_overhead(llm, prompts, params) if ns.output_len > 1 else None
             facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config)
         finally:
             llm.shutdown()
@@ -99,6 +119,8 @@ def run(ns: argparse.Namespace) -> int:
                        "decode_per_token": rep.summarize(decode)},
         "roofline": {},
     }
+    if host is not None:
+        run_entry["host_overhead"] = host
     if figures is not None:
         n_in, b = ns.input_len, ns.batch_size
         prefill_mean = sum(prefill) / len(prefill)
@@ -115,7 +137,9 @@ def run(ns: argparse.Namespace) -> int:
                              {"e2e_mean_ms": run_entry["latency_ms"]["e2e"]["mean"],
                               "model_dtype": facts.dtype})
     text = "\n\n".join([f"pagedserve bench latency: {run_entry['name']}, {ns.num_iters} iterations",
-                        rep.latency_table(run_entry), rep.machine_line(report["machine"]),
+                        rep.latency_table(run_entry),
+                        common.host_overhead_line(host, f"a decode step at batch {ns.batch_size}"),
+                        rep.machine_line(report["machine"]),
                         rep.roofline_table([run_entry])])
     common.finish(report, ns, text)
     return 0

@@ -60,6 +60,12 @@ _RUN = {
                            "attainment": {"type": "number", "minimum": 0, "maximum": 1}},
         },
         "roofline": {"type": "object", "additionalProperties": _STEP_ROOFLINE},
+        # 1 - time in the model / engine step time (common.host_overhead), where the command measures it.
+        "host_overhead": {
+            "type": "object", "required": ["steps", "step_ms", "model_ms", "host_share"],
+            "properties": {"steps": _COUNT, "step_ms": _NONNEG, "model_ms": _NONNEG,
+                           "host_share": {"type": "number", "minimum": 0, "maximum": 1}},
+        },
         "errors": {"type": "array", "items": {"type": "string"}},
     },
 }

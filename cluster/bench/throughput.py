@@ -96,10 +96,12 @@ def run(ns: argparse.Namespace) -> int:
             params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
             llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
             llm.reset_prefix_cache()
+            before = llm.get_stats()
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=True)
             elapsed = time.perf_counter() - start
             stats = llm.get_stats()
+            host = common.host_overhead(before, stats)
         finally:
             llm.shutdown()
             del llm
@@ -120,6 +122,8 @@ def run(ns: argparse.Namespace) -> int:
                                                  if o.metrics and o.metrics.first_token_time)},
             "roofline": {},
         }
+        if host is not None:
+            ours["host_overhead"] = host
         if figures is not None:
             lengths = [(len(r.prompt_token_ids), r.output_len) for r in workload]
             batch = min(len(workload), max_num_seqs)
@@ -155,6 +159,7 @@ def run(ns: argparse.Namespace) -> int:
                         "total tok/s"], rows)]
     if "ratio_output_tokens_per_s" in summary:
         parts.append(f"pagedserve / HF output tok/s: {summary['ratio_output_tokens_per_s']:.2f}x")
+    parts.append(common.host_overhead_line(host, "pagedserve's engine steps (whole run)"))
     parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]
     common.finish(report, ns, "\n\n".join(parts))
     return 0

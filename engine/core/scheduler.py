@@ -74,6 +74,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.model_seconds = 0.0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -352,6 +353,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         self.num_steps += 1
+        self.model_seconds += runner_output.model_seconds
         for request in self._unfittable:
             outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="length"))
         self._unfittable = []
@@ -440,5 +442,6 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
+            model_seconds=self.model_seconds,
             kv_transfer={} if self.kv_connector is None else vars(self.kv_connector.snapshot_stats()),
         )

@@ -72,3 +72,6 @@ class ModelRunnerOutput:
     kv_load_failed: set[str] = field(default_factory=set)
     kv_loaded_bytes: int = 0
     kv_load_seconds: float = 0.0
+    # Time this step spent in the model (forward, logits, sampling), for the host-overhead share:
+    # wall time on CPU, device time (CUDA events) on a GPU.
+    model_seconds: float = 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,27 @@ class RunnerRequestState:
     num_computed_tokens: int
     sampling: SamplingState
     prompt_logprobs: int | None
+
+
+class _ModelTimer:
+    """Time from the start of the forward pass to now: wall time on CPU, device time on CUDA (events, read
+    after the sampler's host copy has synchronized)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start_s = time.perf_counter()
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.start_s
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self.start.elapsed_time(end) / 1000.0
 
 
 @dataclass
@@ -237,6 +259,7 @@ class ModelRunner:
         if self.fault_injector is not None:
             for rid in batch.req_ids:
                 self.fault_injector("forward", rid)
+        timer = _ModelTimer(self.device)
         intermediate = None
         if not self.is_first_stage:
             intermediate = IntermediateTensors(**pp_recv_tensors(self.parallel, device=self.device))
@@ -275,6 +298,7 @@ class ModelRunner:
                         output.logprobs[rid] = sampled.logprobs[row]
         for rid in output.failed:
             output.prompt_logprobs.pop(rid, None)
+        output.model_seconds = timer.seconds()
         return output if self.is_driver else None
 
     def _finish_kv_loads(self, kv_md, output: ModelRunnerOutput | None = None) -> None:
