@@ -165,11 +165,12 @@ class IncrementalDetokenizer:
         return self.output_text[start:length]
 
 
-def streamed_text_of_first_tokens(text: str, params: SamplingParams) -> str:
+def streamed_text_of_first_tokens(text: str, stop: list[str] | None = None,
+                                  include_stop_str_in_output: bool = False) -> str:
     """What a stream shows of a finished short output's `text` had it not finished yet: nothing of an
     incomplete character, and not the last (longest stop string - 1) characters. A prefill/decode
     client streams this for the prefill's token; the decode engine's continuation streams the rest."""
     if text.endswith(_REPLACEMENT_CHAR):
         return ""
-    buffer = max((len(s) for s in params.stop), default=1) - 1 if params.stop and not params.include_stop_str_in_output else 0
+    buffer = max(len(s) for s in stop) - 1 if stop and not include_stop_str_in_output else 0
     return text[: max(0, len(text) - buffer)]

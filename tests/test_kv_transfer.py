@@ -280,7 +280,7 @@ def test_a_continuation_streams_only_what_follows_the_producers_token(tiny_llama
             logprobs += out.outputs[0].logprobs
     assert tokens == want.token_ids[1:] and len(logprobs) == len(tokens)
     prefill_text = producer.get_tokenizer().decode(want.token_ids[:1])
-    assert streamed_text_of_first_tokens(prefill_text, params) + text == want.text
+    assert streamed_text_of_first_tokens(prefill_text, params.stop, params.include_stop_str_in_output) + text == want.text
     _all_free(mono, producer, consumer)
 
 
