@@ -57,10 +57,10 @@ def engine_kwargs(model: str, **overrides) -> dict:
             **overrides}
 
 
-def start_pools(model: str, prefill: dict, decode: dict) -> tuple:
+def start_pools(model: str, prefill: dict, decode: dict, connector: str = "ray") -> tuple:
     extra = {"read_timeout_s": 20}
     return tuple(start_pool(PoolSpec(role, 1, engine_kwargs(model, **kwargs), num_cpus_per_engine=0.5,
-                                     kv_connector_extra_config=extra), "layouts")
+                                     kv_connector=connector, kv_connector_extra_config=extra), f"layouts-{connector}")
                  for role, kwargs in (("prefill", prefill), ("decode", decode)))
 
 
@@ -132,9 +132,10 @@ async def _check_parity(pd: PD, expected: list[list[int]]) -> None:
     assert kv["loads"] >= len(PROMPTS) and kv["fallbacks"] == 0 and kv["loaded_bytes"] > 0
 
 
-def _parity_on_new_pools(model: str, expected: list[list[int]], prefill: dict, decode: dict) -> None:
+def _parity_on_new_pools(model: str, expected: list[list[int]], prefill: dict, decode: dict,
+                         connector: str = "ray") -> None:
     async def run() -> None:
-        async with PD(*start_pools(model, prefill, decode), owned=True) as pd:
+        async with PD(*start_pools(model, prefill, decode, connector), owned=True) as pd:
             await _check_parity(pd, expected)
 
     asyncio.run(run())
@@ -161,6 +162,13 @@ def test_tp1_prefill_feeds_pp2_decode(ray_local, model, expected):
 @pytest.mark.slow
 def test_block_size_8_prefill_feeds_tp2_block_size_4_decode(ray_local, model, expected):
     _parity_on_new_pools(model, expected, {"block_size": 8}, {"tensor_parallel_size": 2})
+
+
+@pytest.mark.slow
+def test_torch_p2p_connector_between_pools(ray_local, model, expected):
+    """The pools and the router work over the torch.distributed transport too (a TP=2 producer's
+    reader releases reach its engine through the router)."""
+    _parity_on_new_pools(model, expected, {"tensor_parallel_size": 2}, {}, connector="torch_p2p")
 
 
 def test_producer_killed_before_the_read_makes_the_consumer_recompute(tp2_tp1, expected):
