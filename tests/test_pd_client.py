@@ -5,6 +5,8 @@ in-process KV transport, no Ray): every answer equals the monolithic engine's, a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 
 import pytest
 from ray.exceptions import RayActorError
@@ -249,3 +251,44 @@ def test_unpulled_kv_is_freed_after_the_hold_timeout(tiny_model_factory):
         assert pd.kv_stats(pd.prefill)["expired_holds"] == 1
     finally:
         pd.close()
+
+
+def test_n_children_scheduled_in_separate_steps_read_no_released_kv(tiny_model_factory):
+    """n=3 on a decode engine that runs one sequence at a time, while the prefill engine keeps reusing
+    its freed blocks: every child still equals the greedy monolithic answer (no child reads the prompt
+    from a producer whose hold an earlier child already released)."""
+    model = str(tiny_model_factory("llama", max_position_embeddings=512))
+    pd = LocalPD(model, engine_kwargs={"kv_cache_memory": None, "num_kv_blocks": 24},
+                 decode_kwargs={"max_num_seqs": 1, "num_kv_blocks": 64})
+    mono = LocalServer(model)
+    prompt = [(7 * k) % 400 + 30 for k in range(30)]  # 7 full blocks of 4 and a tail of 2
+    try:
+        with mono.test_client() as mono_client, pd.test_client() as pd_client:
+            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            expected = mono_client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+            done = threading.Event()
+
+            async def busy_producer() -> None:  # keeps allocating (and so reusing) the producer's free blocks
+                i = 0
+                while not done.is_set():
+                    other = [(11 * k + i) % 400 + 30 for k in range(60)]
+                    async for _ in pd.prefill.generate(f"busy{i}", {"prompt_token_ids": other},
+                                                       {"max_tokens": 2, "temperature": 0}):
+                        pass
+                    i += 1
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                busy = pool.submit(asyncio.run, busy_producer())
+                try:
+                    response = pd_client.post("/v1/completions", json={**body, "n": 3})
+                finally:
+                    done.set()
+                    busy.result()
+            assert response.status_code == 200, response.text
+            assert [c["text"] for c in response.json()["choices"]] == [expected] * 3
+        for free, total, held in pd.wait_idle():
+            assert (free, held) == (total, 0)
+    finally:
+        pd.close()
+        mono.close()

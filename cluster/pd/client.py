@@ -125,6 +125,10 @@ class PDClient:
                 yield output
             return
         self.counters.pd_requests += 1
+        if int(user.get("n") or 1) > 1:
+            async for output in self._decode_n(request_id, prompt_token_ids, user, remote, priority):
+                yield output
+            return
         released = False
         try:
             async with contextlib.aclosing(self._decode(request_id, prompt_token_ids,
@@ -141,6 +145,27 @@ class PDClient:
     def _decode(self, request_id: str, prompt_token_ids: list[int], params: dict,
                 priority: int) -> AsyncIterator[RequestOutput]:
         return self.decode.generate(request_id, prompt_token_ids, params, priority)
+
+    async def _decode_n(self, request_id: str, prompt_token_ids: list[int], user: dict, remote: dict,
+                        priority: int) -> AsyncIterator[RequestOutput]:
+        """n > 1: the decode engine runs n child requests, and the first to load releases the producer's
+        hold while a child scheduled in a later step may still read the prompt's tail from it (blocks the
+        producer may have reused by then). So one n=1, max_tokens=1 request pulls the KV into the decode
+        engine's prefix cache first; the n children then start from that cache on the same engine,
+        computing only the tail of the prompt that fills no whole block."""
+        index = self.decode.choose_engine(prompt_token_ids)
+        primer = {"n": 1, "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": remote}
+        try:
+            async with contextlib.aclosing(self.decode._generate_on(
+                    index, f"{request_id}-kv", prompt_token_ids, primer, priority)) as stream:
+                async for _ in stream:
+                    pass
+        finally:
+            self._release(remote)
+        async with contextlib.aclosing(self.decode._generate_on(index, request_id, prompt_token_ids, user,
+                                                                priority)) as stream:
+            async for output in stream:
+                yield output
 
     def _release(self, remote: dict[str, Any]) -> None:
         """Free the producer's hold (fire and forget: a dead producer's blocks went with it)."""
