@@ -175,6 +175,7 @@ def test_producer_killed_before_the_read_makes_the_consumer_recompute(tp2_tp1, e
     """The prefill finished and handed out its KV's address; then its (TP=2) engine dies. The decode
     engine's read fails and it computes the prompt itself: same tokens, counted as a fallback."""
     import ray
+    from ray.exceptions import RayActorError
 
     async def run() -> None:
         async with PD(*tp2_tp1) as pools:
@@ -185,8 +186,16 @@ def test_producer_killed_before_the_read_makes_the_consumer_recompute(tp2_tp1, e
                                                        "kv_transfer_params": {"do_remote_decode": True}}):
                 params = (await ref).kv_transfer_params or params
             assert params is not None and len(params["remote_addresses"]) == 2
+            ranks = await producer.kv_rank_actors.remote()
             ray.kill(producer, no_restart=True)  # its rank actors die with it
             pools.dead.append(producer)
+            for actor, call in [(producer, "get_stats"), *((rank, "ping") for rank in ranks)]:
+                while True:  # ray.kill returns at once: wait until the engine and its ranks are really gone
+                    try:
+                        await asyncio.wait_for(getattr(actor, call).remote(), 10)
+                    except RayActorError:
+                        break
+                    await asyncio.sleep(0.05)
             consumer = pools.decode.handles[0]
             before = (await pools.stats(consumer))["kv_transfer"]
             tokens: list[int] = []
