@@ -152,7 +152,9 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            finished = self.requests.pop(req_id, None)
+            if finished is not None:
+                self.sampler.release(finished.sampling)  # frees its persistent sampling rows
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             output_ids = list(new.output_token_ids)

@@ -1,0 +1,96 @@
+"""The logits processors as batched tensor ops over a `BatchView`.
+
+Each processor runs once over all of its rows (in the order the sampler's docstring gives:
+allowed_token_ids, logit_bias, min_tokens, bad_words, repetition penalty, frequency/presence
+penalties), which is the same as running them row by row since no processor reads another row.
+Only bad_words does Python work per row, and only for rows that have bad words (a word's last
+token is banned when its earlier tokens end the output so far).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.engine.sample.sampling_batch import (
+    I_MIN_TOKENS,
+    BatchView,
+    SamplingBatch,
+    check_ids,
+    describe_failure,
+)
+
+_NEG_INF = float("-inf")
+
+
+def apply_processors(
+    logits: torch.Tensor, batch: SamplingBatch, view: BatchView, errors: dict[int, str]
+) -> torch.Tensor:
+    """The processed logits (a copy; `logits` itself when no row needs a processor). Rows already in
+    `errors` are skipped where skipping saves work; a bad_words row that raises joins `errors`."""
+    if not view.needs_processing:
+        return logits
+    min_rows = [r for r in view.min_rows if len(view.states[r].output_token_ids) < view.i[r, I_MIN_TOKENS]]
+    bad = _bad_word_bans(view, errors, logits.shape[1])
+    if view.allowed is None and view.bias is None and view.penalties is None and not min_rows and not bad[0]:
+        return logits
+    out = logits.clone()
+    if view.allowed is not None:
+        rows, disallowed = view.allowed
+        out[rows] = out[rows].masked_fill_(disallowed, _NEG_INF)
+    if view.bias is not None:
+        rows, ids, values = view.bias
+        out.index_put_((rows, ids), values, accumulate=True)
+    if min_rows:
+        ids = batch.stop_ids(view, min_rows)
+        rows = torch.tensor(min_rows, dtype=torch.long).to(out.device, non_blocking=True)
+        out[rows.unsqueeze(1).expand_as(ids), ids] = _NEG_INF
+    if bad[0]:
+        index = torch.tensor(bad, dtype=torch.long).to(out.device, non_blocking=True)
+        out[index[0], index[1]] = _NEG_INF
+    if view.penalties is not None:
+        _apply_penalties(out, batch, view)
+    return out
+
+
+def _bad_word_bans(view: BatchView, errors: dict[int, str], vocab: int) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to ban for the rows with bad words; a row whose banned ids fall outside the
+    vocabulary fails alone."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for r in view.bad_rows:
+        if r in errors:
+            continue
+        state = view.states[r]
+        try:
+            banned = banned_bad_word_tokens(state.bad_words_token_ids, state.output_token_ids)
+            check_ids(banned, vocab, "bad_words")
+        except Exception as exc:
+            errors[r] = describe_failure(exc)
+            continue
+        rows.extend([r] * len(banned))
+        ids.extend(banned)
+    return rows, ids
+
+
+def banned_bad_word_tokens(bad_words: list[list[int]], output: list[int]) -> list[int]:
+    """Last token of every bad word whose earlier tokens end the output so far."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or (len(output) >= len(prefix) and output[-len(prefix) :] == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch, view: BatchView) -> None:
+    """HF repetition penalty over prompt + output tokens, then the OpenAI frequency / presence
+    penalties over output tokens, from the persistent counts."""
+    rows, pool_rows, rep, freq, pres = view.penalties
+    seen_pool, counts_pool = batch.counts()
+    counts = counts_pool[pool_rows]
+    x = logits[rows]
+    seen = (counts > 0) | seen_pool[pool_rows]
+    penalized = torch.where(x > 0, x / rep, x * rep)
+    x = torch.where(seen & (rep != 1.0), penalized, x)
+    x = x - freq * counts - pres * (counts > 0).to(x.dtype)
+    logits[rows] = x
