@@ -169,3 +169,19 @@ def test_metrics_families_of_the_pd_shape():
     assert metric_samples(text, "pagedserve:pd_requests_total")['{model_name="m",path="prefill_fallbacks"}'] == 2
     monolithic = ServingMetrics("m", lambda: {"num_running": 1}).render()[0].decode()
     assert "kv_transfer" not in monolithic and "pool_num_requests" not in monolithic
+
+
+def test_kv_transfer_counters_stay_monotonic_across_engine_restarts():
+    from pagedserve.cluster.pd.client import PDClient
+
+    client = PDClient([object()], [object()], ["p0"], 4, 4)
+
+    def engines(incarnation: str, loaded: int, held: int) -> list[dict]:
+        return [{"engine_index": "decode-0", "incarnation": incarnation,
+                 "kv_transfer": {"loaded_bytes": loaded, "held_requests": held}}]
+
+    assert client._kv_totals(engines("a", 100, 2)) == {"loaded_bytes": 100, "held_requests": 2}
+    assert client._kv_totals(engines("a", 150, 1)) == {"loaded_bytes": 150, "held_requests": 1}
+    # restarted: its counters start from zero again; the total goes on from 150, the gauge does not
+    assert client._kv_totals(engines("b", 10, 0)) == {"loaded_bytes": 160, "held_requests": 0}
+    assert client._kv_totals(engines("b", 30, 3)) == {"loaded_bytes": 180, "held_requests": 3}

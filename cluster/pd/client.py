@@ -15,6 +15,8 @@ the client receives (streaming, n, logprobs, stop strings, seeds, usage) is the 
 - The producer's hold is released when the decode's first output arrives, when the decode fails,
   or when the prefill's output was the answer (the consumer also releases after its load; releases
   are idempotent, and the producer's `hold_timeout_s` frees anything left).
+- n > 1: one n=1 request pulls the KV into a decode engine's prefix cache, then the n children run
+  from it on that engine (children scheduled in different steps must not read a released hold).
 - Faults: a prefill engine that is dead or refuses the request (overloaded) -> the request is
   computed on a decode engine without remote KV (counted as a fallback). A decode engine that dies
   -> its requests fail with `EngineDeadError`, as on a monolithic fleet.
@@ -36,6 +38,8 @@ from pagedserve.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
+# KV-transfer figures that are gauges (the rest are cumulative counters).
+KV_GAUGES = frozenset({"held_requests", "held_blocks"})
 
 
 @dataclass
@@ -75,6 +79,8 @@ class PDClient:
         self.decode = DPCoordinator(decode_engines, decode_block_size, **coordinator_kwargs)
         self._producers = dict(zip(prefill_names, prefill_engines))
         self.counters = PDCounters()
+        # engine label -> (counters of its earlier incarnations, its latest figures, its incarnation)
+        self._kv_seen: dict[str, tuple[dict, dict, Any]] = {}
 
     def start(self) -> None:
         self.prefill.start()
@@ -196,13 +202,26 @@ class PDClient:
             out[key] = sum(int(p.get(key, 0)) for p in pools.values())
         out["engines"] = engines
         out["pools"] = pools
-        kv: dict[str, float] = {}
-        for engine in engines:
-            for key, value in (engine.get("kv_transfer") or {}).items():
-                kv[key] = kv.get(key, 0) + value
-        out["kv_transfer"] = kv
+        out["kv_transfer"] = self._kv_totals(engines)
         out["pd"] = vars(self.counters).copy()
         return out
+
+    def _kv_totals(self, engines: list[dict]) -> dict[str, float]:
+        """The engines' KV-transfer figures summed; counters stay monotonic across engine restarts (a new
+        incarnation's counts go on top of what the engine had counted before), gauges are the current ones."""
+        totals: dict[str, float] = {}
+        for engine in engines:
+            figures = engine.get("kv_transfer") or {}
+            key, incarnation = engine["engine_index"], engine.get("incarnation")
+            base, last, seen = self._kv_seen.get(key, ({}, {}, incarnation))
+            if incarnation != seen:
+                base, last = {k: base.get(k, 0) + v for k, v in last.items() if k not in KV_GAUGES}, {}
+            if figures:
+                last = dict(figures)
+            self._kv_seen[key] = (base, last, incarnation)
+            for name, value in last.items():
+                totals[name] = totals.get(name, 0) + value + (0 if name in KV_GAUGES else base.get(name, 0))
+        return totals
 
     def latest_stats(self) -> dict[str, Any]:
         self.prefill.latest_stats()  # starts polling if it has not begun
