@@ -172,8 +172,16 @@ class Sampler:
             )
         if not states:
             return SamplerOutput(token_ids=[], logprobs=[])
-        batch = self._batch_for(logits)
-        view = batch.prepare(states)
+        view = self._batch_for(logits).prepare(states)
+        try:
+            return self._sample(logits, view, token_bitmask, bitmask_rows)
+        finally:
+            view.states = []  # the cached view must not keep finished requests alive
+
+    def _sample(
+        self, logits: torch.Tensor, view: BatchView, token_bitmask: torch.Tensor | None, bitmask_rows: list[int] | None
+    ) -> SamplerOutput:
+        states, batch = view.states, self._batch
         errors = self._row_errors(view)
         constrained = token_bitmask is not None and bool(bitmask_rows)
         if view.plain_greedy and not constrained and not errors:
