@@ -40,7 +40,8 @@ class LocalCluster:
 
         from pagedserve.cluster.ray_utils import free_port
 
-        os.environ["RAY_AUTH_MODE"] = "disabled"  # only for the cluster this test starts
+        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # only for the cluster this test starts (restored by close)
         if ray.is_initialized():
             ray.shutdown()
         self.dashboard_port = free_port()
@@ -118,6 +119,10 @@ class LocalCluster:
                 ray.shutdown()
         finally:
             self.cluster.shutdown()
+            if self._auth_mode is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = self._auth_mode
 
     def __enter__(self) -> "LocalCluster":
         return self
