@@ -14,6 +14,7 @@ Run it: `.venv/bin/python -m pytest -q -m slow tests/test_multinode_rayup.py` (o
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,10 +59,15 @@ def ssh(tmp_path):
         server.close()
 
 
+def ray_temp_dir(ssh: LoopbackSSH) -> str:
+    """The head's Ray temp dir (its own: /tmp/ray belongs to the machine's other Ray instances)."""
+    return f"/tmp/psr-{ssh.user[-8:]}"
+
+
 def cluster_yaml(ssh: LoopbackSSH, tmp_path: Path, model: Path, serve_config: Path, ports: dict[str, int]) -> Path:
     """A local-provider cluster YAML for this machine (no `ray stop`: the start commands name every port, so
     this head shares the machine with other Ray instances; `ray down` stops only the throwaway user's)."""
-    temp_dir = f"/tmp/psr-{ssh.user[-8:]}"
+    temp_dir = ray_temp_dir(ssh)
     setup = tmp_path / "setup_node.sh"
     setup.write_text(NODE_SETUP.format(site=SITE_PACKAGES))
     start = (f"ray start --head --port={ports['gcs']} --dashboard-host=127.0.0.1 --dashboard-port={ports['dashboard']} "
@@ -133,6 +139,7 @@ def test_ray_up_local_provider_serves_then_ray_down(ssh, tmp_path, tiny_model_fa
         state = Path(f"/tmp/cluster-pagedserve-{ssh.user}.state")
         for leftover in (state, state.with_suffix(".lock")):
             leftover.unlink(missing_ok=True)
+        shutil.rmtree(ray_temp_dir(ssh), ignore_errors=True)
     assert down.returncode == 0, f"ray down failed:\n{down.stdout[-4000:]}\n{down.stderr[-4000:]}"
     deadline = time.monotonic() + 60
     while any("raylet" in _cmdline(pid) or "gcs_server" in _cmdline(pid) for pid in ssh.user_pids()):
