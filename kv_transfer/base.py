@@ -43,6 +43,14 @@ class KVConnectorScheduler(ABC):
 
     # Lifetime and bookkeeping (defaults suit a connector that never holds or loads anything).
 
+    def request_added(self, request: ConnectorRequest) -> None:
+        """A request entered the scheduler (before it is first scheduled)."""
+
+    @property
+    def has_pending_releases(self) -> bool:
+        """Releases wait for the next step's metadata: the engine must step once more even if idle."""
+        return False
+
     def take_freeable(self) -> list[ConnectorRequest]:
         """Requests kept alive by `request_finished` that may be freed now (released or expired)."""
         return []

@@ -94,12 +94,44 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._loads: list[LoadJob] = []
         self._releases: list[tuple[list[Any], str]] = []
         self._in_load: dict[str, LoadJob] = {}
+        # Consumer: one producer hold may feed several local requests (the n children of one request);
+        # it is released once the last of them has loaded (or fallen back, or finished).
+        self._readers: dict[tuple[str, str], int] = {}
+        self._reader_of: dict[str, tuple[str, str, list[Any]]] = {}
         # Producer: request id -> (request, block count, deadline); releases arrive from any thread.
         self._held: dict[str, tuple[ConnectorRequest, int, float]] = {}
         self._released: deque[str] = deque()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ consumer
+
+    def request_added(self, request: ConnectorRequest) -> None:
+        """Count the request as a reader of its producer's hold (before any of the readers is scheduled)."""
+        params = _remote_params(request)
+        if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
+            return
+        try:
+            key = (str(params["remote_engine_id"]), str(params["remote_request_id"]))
+            addresses = list(params["remote_addresses"])
+        except (KeyError, TypeError):
+            return  # unusable params: get_num_new_matched_tokens falls back and there is no hold to release
+        self._readers[key] = self._readers.get(key, 0) + 1
+        self._reader_of[request.request_id] = (*key, addresses)
+
+    def _reader_done(self, req_id: str) -> None:
+        entry = self._reader_of.pop(req_id, None)
+        if entry is None:
+            return
+        engine_id, remote_id, addresses = entry
+        key = (engine_id, remote_id)
+        self._readers[key] -= 1
+        if self._readers[key] == 0:
+            del self._readers[key]
+            self._releases.append((addresses, remote_id))
+
+    @property
+    def has_pending_releases(self) -> bool:
+        return bool(self._releases)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
         params = _remote_params(request)
@@ -132,8 +164,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if getattr(request, "kv_load_failed", False) or getattr(request, "kv_load_done", False):
             return
         request.kv_load_done = True  # a resumed (preempted) request recomputes; it never loads twice
-        if num_external_tokens == 0:  # our prefix cache had it all: only tell the producer
-            self._releases.append((list(params["remote_addresses"]), params["remote_request_id"]))
+        if num_external_tokens == 0:  # our prefix cache had it all: nothing to read
+            self._reader_done(request.request_id)
             return
         start = request.num_computed_tokens
         job = LoadJob(request.request_id, list(block_ids), start, start + num_external_tokens, params)
@@ -150,6 +182,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         job = self._in_load.pop(req_id, None)
         if job is None:
             return
+        self._reader_done(req_id)
         if ok:
             self.stats.loads += 1
             self.stats.loaded_tokens += job.token_end - job.token_start
@@ -161,9 +194,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def _fall_back(self, request: ConnectorRequest) -> None:
         request.kv_load_failed = True
         self.stats.fallbacks += 1
-        params = _remote_params(request) or {}
-        if params.get("remote_addresses") and params.get("remote_request_id"):
-            self._releases.append((list(params["remote_addresses"]), params["remote_request_id"]))
+        self._reader_done(request.request_id)
 
     def mark_load_failed(self, request: ConnectorRequest) -> None:
         """The load failed on some rank: the request recomputes its prompt (the caller requeues it)."""
@@ -178,7 +209,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
     # ------------------------------------------------------------------ producer
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
-        self._in_load.pop(request.request_id, None)
+        if self._in_load.pop(request.request_id, None) is not None:
+            self.stats.load_failures += 1  # finished (aborted, failed) before its load came back
+        self._reader_done(request.request_id)  # e.g. aborted while waiting: it reads nothing more
         params = _remote_params(request)
         status = getattr(request, "status", None)
         finished_ok = status is not None and status.finish_reason in ("stop", "length")

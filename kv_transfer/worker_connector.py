@@ -4,8 +4,9 @@ Per step the scheduler's `ConnectorMetadata` lists the loads. `start_load_kv` st
 once (one per producer rank that holds layers/heads this rank needs); each attention layer then
 waits for its own layer only (`wait_for_layer_load`), so the reads of later layers overlap the
 compute of earlier ones. A load that fails anywhere marks its request; the model runner reports it
-and the scheduler recomputes the prompt locally. After the step the rank releases each request at
-every producer rank (idempotent; a producer frees its blocks on the first release it sees).
+and the scheduler recomputes the prompt locally. The scheduler half decides when a hold may go (the
+last local reader of it has loaded) and sends the release with the next step's metadata; the last
+pipeline stage's ranks deliver it to every producer rank (idempotent).
 """
 
 from __future__ import annotations
@@ -127,11 +128,8 @@ class PDConnectorWorker(KVConnectorWorker):
             reader.close()
 
     def finish_loads(self) -> tuple[set[str], int, float]:
-        """After the forward pass: (requests whose load failed on this rank, bytes loaded, seconds).
-        Releases every loaded request at its producer."""
+        """After the forward pass: (requests whose load failed on this rank, bytes loaded, seconds)."""
         failed = {load.job.req_id for load in self._active if load.error is not None}
-        for load in self._active:
-            self._release(load.job.remote["remote_addresses"], load.job.remote["remote_request_id"])
         seconds = time.perf_counter() - self._step_started if self._active else 0.0
         self._active = []
         return failed, self._step_bytes, seconds

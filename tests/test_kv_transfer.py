@@ -297,3 +297,23 @@ def test_a_continuation_is_validated(tiny_llama):
         consumer.generate([{"prompt_token_ids": prompt[0]}], SamplingParams(max_tokens=4, kv_transfer_params=bad))
     producer.llm_engine.release_kv([remote["remote_request_id"]])
     _all_free(producer, consumer)
+
+
+def test_one_hold_feeding_n_children_is_released_after_the_last_child_loads(tiny_llama):
+    mono, producer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer")
+    consumer = _llm(tiny_llama, "kv_consumer", max_num_seqs=1, enable_prefix_caching=False)  # one child per step
+    prompt = _prompts(17, [21])[0]
+    remote = _prefill(producer, [prompt])[0]
+    engine = consumer.llm_engine
+    params = SamplingParams(n=3, max_tokens=3, temperature=0, ignore_eos=True, kv_transfer_params=remote)
+    engine.add_request("n3", {"prompt_token_ids": prompt}, params)
+    outputs = []
+    engine.step(), engine.step()  # the first child loaded; the others have not been scheduled yet
+    assert producer.llm_engine.free_released_kv() == 1, "released while children still had to read"
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert engine.get_stats().kv_transfer["loads"] == 3
+    (out,) = [o for o in outputs if o.finished]
+    want = _greedy(mono, [prompt], max_tokens=3)[0].outputs[0].token_ids
+    assert [c.token_ids for c in out.outputs] == [want] * 3
+    _all_free(mono, producer, consumer)

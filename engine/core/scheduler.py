@@ -20,6 +20,7 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pagedserve.engine.core.request import Request, RequestStatus
+from pagedserve.engine.core.scheduler_kv import KVTransferSchedulingMixin
 from pagedserve.engine.core.request_queue import RequestQueue, create_request_queue
 from pagedserve.engine.core.stop_conditions import accept_constrained, check_stop
 from pagedserve.engine.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(KVTransferSchedulingMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -82,6 +83,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if self.kv_connector is not None:
+            self.kv_connector.request_added(request)
         constraint = request.sampling_params.structured_outputs
         if constraint is not None and request.structured_output is None:
             if self._structured_output is None:
@@ -154,21 +157,13 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        # A pending KV release rides on the next step's metadata, so it counts as work.
+        return bool(self.requests) or (self.kv_connector is not None and self.kv_connector.has_pending_releases)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # ------------------------------------------------------------------ scheduling
-
-    def free_released_kv(self) -> int:
-        """Producer: free the blocks of finished prefills whose reader released them or whose hold
-        expired. Returns how many requests are still held (the engine keeps ticking while any are)."""
-        if self.kv_connector is None:
-            return 0
-        for request in self.kv_connector.take_freeable():
-            self.kv_cache_manager.free(request)
-        return int(self.kv_connector.has_held)
 
     def schedule(self) -> SchedulerOutput:
         self.free_released_kv()
@@ -303,7 +298,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=set(self._finished_req_ids),
         )
-        if self.kv_connector is not None:
+        if self.kv_connector is not None and (scheduled or not self._in_flight):
+            # (An empty output made while batches are in flight never reaches the workers: keep its releases.)
             output.kv_connector_metadata = self.kv_connector.build_connector_metadata()
         if constrained:
             output.structured_output_req_ids = [r.request_id for r in constrained]
@@ -403,27 +399,6 @@ class Scheduler:
                 self._free_request(request)
                 output.kv_transfer_params = request.kv_transfer_params_out
         return outputs
-
-    def _update_kv_loads(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-        md = so.kv_connector_metadata
-        if self.kv_connector is None or md is None or not md.loads:
-            return
-        self.kv_connector.add_worker_stats(runner_output.kv_loaded_bytes, runner_output.kv_load_seconds)
-        for job in md.loads:
-            if job.req_id not in runner_output.kv_load_failed:
-                self.kv_connector.load_finished(job.req_id, ok=True)
-
-    def _recompute_after_failed_load(self, request: Request) -> None:
-        """Its KV load failed: drop what this step computed on top of it and compute the prompt here."""
-        logger.warning("request %s: loading its prompt's KV failed; computing the prompt locally", request.request_id)
-        self.kv_connector.mark_load_failed(request)
-        self.kv_cache_manager.uncache_blocks(request.request_id)
-        self.running.remove(request)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1  # the workers see it as resumed: a fresh block table
-        self.waiting.add_front(request)
 
     # ------------------------------------------------------------------ stats
 
