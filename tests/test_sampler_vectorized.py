@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedserve.engine.sample.processors import apply_processors
 from pagedserve.engine.sample.sampler import Sampler, SamplingState, make_generator
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kernels import apply_top_k_top_p_min_p
@@ -114,7 +115,7 @@ def reference_sample(logits: torch.Tensor, states: list[SamplingState], shared: 
                 vals, ids = raw.topk(min(p.logprobs, V))
                 entries += [(int(t), v, r + 1) for r, (t, v) in enumerate(zip(ids.tolist(), vals.tolist()))]
             logprobs[i] = entries
-    return tokens, logprobs, errors
+    return tokens, logprobs, errors, processed
 
 
 # ---------------------------------------------------------------------------- random requests
@@ -196,9 +197,12 @@ def test_vectorized_sampler_equals_reference(data):
         batch = data.draw(st.permutations(batch), label="order")
         failing_ids = set(data.draw(st.lists(st.sampled_from(batch), unique=True, max_size=1), label="fails"))
         logits = torch.stack([logits_for(rid, live[rid][2]) for rid in batch])
+        mine_processed = _processed(sampler, logits, [live[rid][0] for rid in batch])
         out = sampler.sample(logits.clone(), [live[rid][0] for rid in batch])
         failing = {i for i, rid in enumerate(batch) if rid in failing_ids}
-        tokens, logprobs, errors = reference_sample(logits, [live[rid][1] for rid in batch], shared, failing)
+        tokens, logprobs, errors, processed = reference_sample(logits, [live[rid][1] for rid in batch], shared, failing)
+        for i, row in processed.items():  # the processed logits themselves, not only the choice
+            assert torch.equal(mine_processed[i], row[0]), (batch[i], mine_processed[i], row[0])
         assert out.errors == errors
         ok = [i for i in range(len(batch)) if i not in errors]
         assert [out.token_ids[i] for i in ok] == [tokens[i] for i in ok]
@@ -211,6 +215,15 @@ def test_vectorized_sampler_equals_reference(data):
             mine.output_token_ids.append(out.token_ids[i])
             ref.output_token_ids.append(tokens[i])
             live[rid] = (mine, ref, steps + 1)
+
+
+def _processed(sampler: Sampler, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """The processed logits from the sampler's own persistent rows (what its next sample() reads)."""
+    view = sampler._batch_for(logits).prepare(states)
+    try:
+        return apply_processors(logits.clone(), sampler._batch, view, {})
+    finally:
+        view.states = []
 
 
 def _raise_if(cond: bool) -> None:
