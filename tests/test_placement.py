@@ -155,3 +155,28 @@ def test_kv_share_is_the_cpu_share_of_the_node(reserved, node, share):
 def test_engine_kv_share_leaves_explicit_budgets_alone():
     kwargs = {"model": "m", "device": "cpu", "kv_cache_memory": "1GiB"}
     assert placement.with_engine_kv_share(kwargs, 1.0) == kwargs  # explicit budget (and not in a Ray actor)
+
+
+@pytest.mark.parametrize(
+    ("report", "expected"),
+    [
+        (None, False),  # no monitor report yet
+        ({"active_nodes": {"node_3c4f2e8bc1": 1}, "pending_launches": {}}, False),  # hand-started: read-only monitor
+        ({"active_nodes": {"head": 1}, "pending_launches": {}}, True),  # ray up: named node types
+        ({"active_nodes": {"headgroup": 1}, "pending_launches": {"cpu-workers": 1}}, True),  # KubeRay
+    ],
+)
+def test_autoscaler_detection_reads_the_monitor_report(monkeypatch, report, expected):
+    import json
+
+    import ray.autoscaler.v2.utils
+    import ray.experimental.internal_kv as kv
+
+    monkeypatch.delenv(placement.AUTOSCALING_ENV, raising=False)
+    monkeypatch.setattr(ray.autoscaler.v2.utils, "is_autoscaler_v2", lambda **_: False)
+    monkeypatch.setattr(kv, "_internal_kv_initialized", lambda: True)
+    status = {"load_metrics_report": {}} if report is None else {"autoscaler_report": report}
+    monkeypatch.setattr(kv, "_internal_kv_get", lambda key: json.dumps(status).encode())
+    assert placement.cluster_autoscales() is expected
+    monkeypatch.setattr(ray.autoscaler.v2.utils, "is_autoscaler_v2", lambda **_: True)
+    assert placement.cluster_autoscales()
