@@ -162,6 +162,19 @@ def stream_until_done(base_url: str, app: str, prompt: list[int], max_tokens: in
     return result
 
 
+def wait_both_engines_busy(http: httpx.Client, deadline_s: float = 60.0) -> None:
+    """Until the ingress's /metrics shows both dp engines running requests (routing spread the load)."""
+    from tests.test_serve_scaleout import metric_samples
+
+    end = time.monotonic() + deadline_s
+    while True:
+        running = metric_samples(http.get("/dp/metrics").text, "pagedserve:engine_num_requests_running")
+        if len(running) == 2 and all(value > 0 for value in running.values()):
+            return
+        assert time.monotonic() < end, f"the load did not reach both engines: {running}"
+        time.sleep(0.2)
+
+
 def check_clean_failure(outcome: dict) -> None:
     error = outcome["error"]
     assert isinstance(error, dict) and error.get("message") and error.get("type"), outcome
@@ -185,6 +198,7 @@ def test_worker_node_killed_under_load_fails_only_its_requests_and_recovers(clus
                    for app, prompt in requests]
         for _ in requests:  # every request is streaming (or failed) before the node goes
             assert started.acquire(timeout=TIMEOUT)
+        wait_both_engines_busy(http)
         cluster.kill_worker("b")
         outcomes = [f.result(timeout=2 * TIMEOUT) for f in futures]
     done = [o for o in outcomes if o["error"] is None]
