@@ -52,8 +52,8 @@ def _reserved_cpus() -> float:
 
     if not ray.is_initialized():
         return 0.0
-    return float(sum(v for k, v in ray.get_runtime_context().get_assigned_resources().items()
-                     if k == "CPU" or k.startswith("CPU_group_") and k.count("_") == 2))
+    # A TP = PP = 1 engine replica (the only kind that holds KV itself) reserves plain CPUs, no placement group.
+    return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
 
 
 class PagedServeEngine:
