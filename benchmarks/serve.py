@@ -10,6 +10,13 @@ replica) and through the in-process `DPCoordinator` over an engine actor of the 
 
   python benchmarks/serve.py --model /path/to/model --data-parallel-size 2 --num-ingress-replicas 1,2 \\
       --request-rate 2,8,inf --num-prompts 100 --result-json scaleout.json
+
+`--pd` compares prefill/decode disaggregation with data parallelism on one workload instead: the same
+load (by default long prompts mixed with long outputs) against 1 prefill + 1 decode engine (`--kv-connector`,
+default ray) and against 2 monolithic engines, reporting TTFT / TPOT / ITL p50 and p99 and the KV bytes
+moved per request (from the server's `pagedserve:kv_transfer_bytes` counter):
+
+  python benchmarks/serve.py --pd --input-len 512:1024 --output-len 64:256 --request-rate 1,4 --num-prompts 40
 """
 
 from __future__ import annotations
@@ -76,6 +83,52 @@ def routing_overhead(model: str, extra: dict, n: int) -> dict:
             "serve_overhead_ms": serve_ms - local_ms}
 
 
+def kv_bytes_moved(url: str) -> float:
+    """The server's cumulative KV bytes pulled by decode engines (0 without prefill/decode)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name in ("pagedserve:kv_transfer_bytes_total", "pagedserve:kv_transfer_bytes"))
+
+
+PD_SHAPES = (
+    ("PD: 1 prefill + 1 decode engine", {"num_prefill_engines": 1, "num_decode_engines": 1}),
+    ("DP: 2 monolithic engines", {"data_parallel_size": 2}),
+)
+
+
+def pd_comparison(model: str, port: int, extra: dict, ns: argparse.Namespace) -> list[dict]:
+    """The same workload and rates against the PD shape and the DP shape, one server after the other."""
+    results = []
+    base = {k: v for k, v in extra.items() if k != "data_parallel_size"}
+    for label, shape in PD_SHAPES:
+        settings = {**base, **shape}
+        if "num_prefill_engines" in shape:
+            settings["kv_connector"] = ns.kv_connector
+        server = LocalServer.start(model, port, settings)
+        try:
+            info = server_info(server.url, {}, ns.timeout)
+            workload = synthetic(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, info.token_ids)
+            for rate in ns.request_rate:
+                before = kv_bytes_moved(server.url)
+                load = run_load(server.url, info.model, workload, rate, ns.max_concurrency, ns.seed, {}, ns.timeout)
+                params = {"shape": label, "request_rate": rate_label(rate)}
+                entry = run_entry(load, f"{label}, rate {rate_label(rate)}", params, None, None, None)
+                entry["kv_bytes_per_request"] = (kv_bytes_moved(server.url) - before) / max(1, entry["completed"])
+                results.append(entry)
+        finally:
+            server.stop()
+    rows = [[r["name"], r["completed"], r["failed"],
+             *(r["latency_ms"][m][q] if r["latency_ms"][m] else float("nan")
+               for m in ("ttft", "tpot", "itl") for q in ("p50", "p99")),
+             r["kv_bytes_per_request"] / 1024] for r in results]
+    print(rep.table(["shape, rate", "done", "failed", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50",
+                     "ITL p99", "KV KiB/req"], rows), flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory or GGUF file (default: the default model)")
@@ -95,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-ingress-replicas", default="1", help="comma-separated counts (one sweep each)")
     parser.add_argument("--knee-factor", type=float, default=2.0)
     parser.add_argument("--routing-overhead", type=int, default=0)
+    parser.add_argument("--pd", action="store_true",
+                        help="compare 1 prefill + 1 decode engine with 2 monolithic engines on the same load")
+    parser.add_argument("--kv-connector", default="ray", choices=["ray", "torch_p2p"],
+                        help="the PD shape's KV transport (--pd)")
     ns = parser.parse_args(argv)
 
     from pagedserve.cluster.ray_utils import free_port
@@ -104,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     port = ns.port or free_port()
     extra = {"kv_cache_memory": ns.kv_cache_memory, "block_size": ns.block_size,
              "data_parallel_size": ns.data_parallel_size, "num_cpus_per_engine": ns.num_cpus_per_engine}
+    if ns.pd:
+        results = pd_comparison(model, port, extra, ns)
+        if ns.result_json:
+            Path(ns.result_json).write_text(json.dumps({"pd_comparison": rep.jsonable(results)}, indent=2))
+        return 0 if all(r["failed"] == 0 for r in results) else 1
     results, knees, overhead, server = [], {}, None, None
     try:
         for count in [int(c) for c in ns.num_ingress_replicas.split(",")]:
