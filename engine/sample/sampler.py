@@ -231,13 +231,14 @@ class Sampler:
             i = int(random_rows[pos])
             state = view.states[i]
             try:
-                # A fresh [V] buffer per row keeps the draw independent of batch layout.
-                row = torch.empty(vocab, device=device)
+                # One contiguous [V] row per draw (whatever the batch layout): the same numbers as a
+                # fresh [V] buffer, drawn in place.
+                row = noise[pos]
                 generator = state.generator_for(device)
                 while state.pending_draws:
                     row.exponential_(generator=generator)
                     state.pending_draws -= 1
-                noise[pos] = row.exponential_(generator=generator)
+                row.exponential_(generator=generator)
             except Exception as exc:  # this request's generator: fail it alone
                 errors[i] = describe_failure(exc)
         return noise.clamp_(min=_MIN_NOISE)
@@ -251,38 +252,39 @@ class Sampler:
         random_rows: np.ndarray,
         errors: dict[int, str],
     ) -> SamplerOutput:
+        """Greedy rows take the argmax, random rows race; failed rows (`errors`) are left out, so the
+        others see exactly what they would in a batch without them."""
         num_rows, device = view.num_rows, logits.device
+        if errors:
+            # A seeded row may have failed while drawing: its noise row is dropped with it.
+            keep = [p for p, r in enumerate(random_rows.tolist()) if r not in errors]
+            if noise is not None and len(keep) < len(random_rows):
+                noise = noise[torch.tensor(keep, dtype=torch.long).to(device)]
+            random_rows = random_rows[keep]
+            greedy_rows = np.asarray([r for r in np.flatnonzero(view.greedy).tolist() if r not in errors], dtype=np.int64)
+            lp_rows = np.asarray([r for r in view.logprob_rows.tolist() if r not in errors], dtype=np.int64)
+            params = self._race_params(view, random_rows)
+        else:
+            greedy_rows, lp_rows, params = view.greedy_rows, view.logprob_rows, None
         if not errors and not len(random_rows):
             sampled = processed.argmax(dim=-1)
         elif not errors and len(random_rows) == num_rows:
             sampled = self._race(processed, noise, self._race_params(view, None))
         else:
             sampled = torch.full((num_rows,), -1, dtype=torch.long, device=device)
-            greedy_rows = [r for r in np.flatnonzero(view.greedy).tolist() if r not in errors]
-            if greedy_rows:
-                index = torch.tensor(greedy_rows, dtype=torch.long).to(device)
+            if len(greedy_rows):
+                index = _index(view, greedy_rows, "greedy", not errors)
                 sampled[index] = processed[index].argmax(dim=-1)
             if len(random_rows):
-                # A seeded row may have failed while drawing: its noise row is dropped with it.
-                keep = [p for p, r in enumerate(random_rows.tolist()) if r not in errors]
-                rows = random_rows[keep]
-                if len(rows):
-                    index = torch.from_numpy(rows).to(device)
-                    row_noise = noise if len(keep) == len(random_rows) else noise[torch.tensor(keep).to(device)]
-                    default = not errors and len(rows) == len(view.random_rows)
-                    params = self._race_params(view, None if default else rows)
-                    sampled[index] = self._race(processed[index], row_noise, params)
+                index = _index(view, random_rows, "random", not errors)
+                sampled[index] = self._race(processed[index], noise, params or self._race_params(view, None))
         token_ids = sampled.tolist()
         logprobs: list[list[Logprob] | None] = [None] * num_rows
-        lp_rows = view.logprob_rows
-        if errors and len(lp_rows):
-            lp_rows = np.asarray([r for r in lp_rows.tolist() if r not in errors], dtype=np.int64)
         if len(lp_rows):
             whole = len(lp_rows) == num_rows
-            index = None if whole else torch.from_numpy(lp_rows).to(device)
+            index = None if whole else _index(view, lp_rows, "logprobs", not errors)
             raw = torch.log_softmax(logits if whole else logits[index], dim=-1)
-            chosen = sampled if whole else sampled[index]
-            entries = gather_logprobs(raw, chosen, view.i[lp_rows, I_LOGPROBS].tolist())
+            entries = gather_logprobs(raw, sampled if whole else sampled[index], view.i[lp_rows, I_LOGPROBS].tolist())
             for r, row_entries in zip(lp_rows.tolist(), entries):
                 logprobs[r] = row_entries
         for r in errors:
@@ -320,6 +322,16 @@ class Sampler:
             logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
         probs = torch.softmax(logits, dim=-1)
         return probs.div_(noise).argmax(dim=-1)
+
+
+def _index(view: BatchView, rows: np.ndarray, name: str, cached: bool) -> torch.Tensor:
+    """`rows` as a device index; the view's own row sets are uploaded once per batch composition."""
+    if not cached:
+        return _tensor(rows, view.device)
+    index = view.cache.get(name)
+    if index is None:
+        index = view.cache[name] = _tensor(rows, view.device)
+    return index
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

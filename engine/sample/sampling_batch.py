@@ -103,6 +103,7 @@ class BatchView:
     greedy: np.ndarray  # [B] bool
     seeded: np.ndarray  # [B] bool: random rows with their own generator
     random_rows: np.ndarray  # batch rows that sample randomly
+    greedy_rows: np.ndarray
     error_rows: list[int]
     pen_rows: list[int]  # rows with penalties (batch indices)
     min_rows: list[int]  # rows with min_tokens > 0 and ids to mask
@@ -324,7 +325,7 @@ class SamplingBatch:
         needs = bool(len(pen_rows) or len(min_rows) or len(bad_rows) or len(allowed_rows) or len(bias_rows))
         view = BatchView(
             entries=entries, device=self.device, f=f, i=i, b=b, greedy=greedy, seeded=b[:, B_SEEDED].copy(),
-            random_rows=np.flatnonzero(~greedy), error_rows=error_rows, pen_rows=pen_rows.tolist(),
+            random_rows=np.flatnonzero(~greedy), greedy_rows=np.flatnonzero(greedy), error_rows=error_rows, pen_rows=pen_rows.tolist(),
             min_rows=min_rows.tolist(), bad_rows=bad_rows.tolist(), logprob_rows=logprob_rows,
             plain_greedy=bool(greedy.all()) and not needs and not len(logprob_rows) and not error_rows,
             needs_processing=needs,
