@@ -51,7 +51,9 @@ def _process_row(x: torch.Tensor, s: SamplingState) -> torch.Tensor:
     if len(out) < p.min_tokens:
         for t in (set(p.stop_token_ids) | s.eos_token_ids) & set(range(V)):
             x[0, t] = float("-inf")
-    banned = [w[-1] for w in s.bad_words_token_ids if len(w) == 1 or out[-(len(w) - 1):] == w[:-1] and len(out) >= len(w) - 1]
+    banned = [
+        w[-1] for w in s.bad_words_token_ids if len(w) == 1 or (len(out) >= len(w) - 1 and out[-(len(w) - 1) :] == w[:-1])
+    ]
     _check(banned, "bad_words")
     for t in banned:
         x[0, t] = float("-inf")

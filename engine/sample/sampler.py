@@ -261,7 +261,7 @@ class Sampler:
             if noise is not None and len(keep) < len(random_rows):
                 noise = noise[torch.tensor(keep, dtype=torch.long).to(device)]
             random_rows = random_rows[keep]
-            greedy_rows = np.asarray([r for r in np.flatnonzero(view.greedy).tolist() if r not in errors], dtype=np.int64)
+            greedy_rows = np.asarray([r for r in view.greedy_rows.tolist() if r not in errors], dtype=np.int64)
             lp_rows = np.asarray([r for r in view.logprob_rows.tolist() if r not in errors], dtype=np.int64)
             params = self._race_params(view, random_rows)
         else:

@@ -88,6 +88,7 @@ class _Entry:
     token: int  # tells a stale garbage-collection notice from the slot's current owner
     ref: weakref.ref
     counted: int = 0  # output tokens already in the penalty counts
+    pen_row: int = -1  # its row in the penalty pools (-1: no penalties)
     error: str | None = None  # this request cannot be sampled (reported every step it is in a batch)
 
 
@@ -217,15 +218,15 @@ class SamplingBatch:
         flags[B_PENALTY] = penalized
         flags[B_BAD_WORDS] = bool(state.bad_words_token_ids)
         try:
-            self._add_tensors(state, slot, penalized)
+            self._add_tensors(state, entry, penalized)
         except Exception as exc:  # bad ids: this request alone fails, whenever it is sampled
             entry.error = describe_failure(exc)
             flags[B_ERROR] = True
         return entry
 
-    def _add_tensors(self, state: SamplingState, slot: int, penalized: bool) -> None:
+    def _add_tensors(self, state: SamplingState, entry: _Entry, penalized: bool) -> None:
         """The device rows of a new request (checked in the order the per-row processors run)."""
-        p, vocab, dev = state.params, self.vocab_size, self.device
+        p, vocab, dev, slot = state.params, self.vocab_size, self.device, entry.slot
         ints = self._i[slot]
         if p.allowed_token_ids is not None:
             check_ids(p.allowed_token_ids, vocab, "allowed_token_ids")
@@ -255,7 +256,7 @@ class SamplingBatch:
             check_ids_fast(state.prompt_token_ids, vocab, "prompt_token_ids")
             row = self._counts.alloc()  # the seen mask shares the counts pool's rows
             self._seen.ensure_rows(row + 1)
-            ints[I_PEN_ROW] = row
+            ints[I_PEN_ROW] = entry.pen_row = row
             self._seen.data[row] = False
             self._counts.data[row] = 0.0
             if state.prompt_token_ids:
@@ -282,28 +283,33 @@ class SamplingBatch:
         rows: list[int] = []
         tokens: list[int] = []
         failed = False
+        vocab, entries, states = self.vocab_size, view.entries, view.states
         for r in view.pen_rows:
-            entry = view.entries[r]
-            output = view.states[r].output_token_ids
-            n = len(output)
-            if n == entry.counted or entry.error is not None:
+            entry = entries[r]
+            output = states[r].output_token_ids
+            n, counted = len(output), entry.counted
+            if n == counted or entry.error is not None:
                 continue
-            pen_row = int(self._i[entry.slot, I_PEN_ROW])
-            if n < entry.counted:  # the output was replaced: count it again
-                self._counts.data[pen_row] = 0.0
-                entry.counted = 0
-            new = output[entry.counted :]
+            if n == counted + 1 and 0 <= output[counted] < vocab:  # one new token: the usual step
+                rows.append(entry.pen_row)
+                tokens.append(output[counted])
+                entry.counted = n
+                continue
+            if n < counted:  # the output was replaced: count it again
+                self._counts.data[entry.pen_row] = 0.0
+                counted = 0
+            new = output[counted:]
             entry.counted = n
-            if min(new) < 0 or max(new) >= self.vocab_size:
+            if min(new) < 0 or max(new) >= vocab:
                 entry.error = describe_failure(ValueError(
-                    f"output_token_ids: token ids {[t for t in new if not 0 <= t < self.vocab_size]} "
-                    f"are outside the vocabulary (size {self.vocab_size})"
+                    f"output_token_ids: token ids {[t for t in new if not 0 <= t < vocab]} "
+                    f"are outside the vocabulary (size {vocab})"
                 ))
                 self._b[entry.slot, B_ERROR] = True
                 self._generation += 1
                 failed = True
                 continue
-            rows.extend([pen_row] * len(new))
+            rows.extend([entry.pen_row] * len(new))
             tokens.extend(new)
         if tokens:
             index = torch.tensor([rows, tokens], dtype=torch.long).to(self.device, non_blocking=True)
@@ -325,7 +331,8 @@ class SamplingBatch:
         needs = bool(len(pen_rows) or len(min_rows) or len(bad_rows) or len(allowed_rows) or len(bias_rows))
         view = BatchView(
             entries=entries, device=self.device, f=f, i=i, b=b, greedy=greedy, seeded=b[:, B_SEEDED].copy(),
-            random_rows=np.flatnonzero(~greedy), greedy_rows=np.flatnonzero(greedy), error_rows=error_rows, pen_rows=pen_rows.tolist(),
+            random_rows=np.flatnonzero(~greedy), greedy_rows=np.flatnonzero(greedy), error_rows=error_rows,
+            pen_rows=pen_rows.tolist(),
             min_rows=min_rows.tolist(), bad_rows=bad_rows.tolist(), logprob_rows=logprob_rows,
             plain_greedy=bool(greedy.all()) and not needs and not len(logprob_rows) and not error_rows,
             needs_processing=needs,
