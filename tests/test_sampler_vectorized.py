@@ -303,16 +303,25 @@ def test_penalty_counts_follow_the_output_incrementally():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_seeded_request_on_cuda():
-    """A seeded request samples on CUDA (its generator is made there), reproducibly and alone or batched."""
-    logits = torch.randn(3, 1000, device="cuda")
+    """A seeded request samples on CUDA (its generator is made there) and draws the same tokens alone as
+    behind an unseeded row, in a misaligned noise row (odd vocabulary)."""
+    vocab, steps = 1001, 5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = [torch.randn(1, vocab, device="cuda", generator=gen) for _ in range(steps)]
 
-    def run(states):
-        return [Sampler(seed=1).sample(logits[: len(states)], states).token_ids for _ in range(1)]
+    def run(batched: bool) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=42, top_p=0.9, presence_penalty=0.2)
+        seeded = SamplingState.create(params, [1, 2])
+        other = SamplingState.create(SamplingParams(temperature=0.7), [5])
+        sampler = Sampler(seed=1)
+        for row in rows:
+            states = [other, seeded] if batched else [seeded]
+            logits = torch.cat([torch.randn(1, vocab, device="cuda"), row]) if batched else row
+            out = sampler.sample(logits, states)
+            seeded.output_token_ids.append(out.token_ids[-1])
+        assert seeded.generator.device.type == "cuda"
+        return seeded.output_token_ids
 
-    a = SamplingState.create(SamplingParams(temperature=1.0, seed=42, top_p=0.9, presence_penalty=0.2), [1, 2])
-    b = SamplingState.create(SamplingParams(temperature=1.0, seed=42, top_p=0.9, presence_penalty=0.2), [1, 2])
-    other = SamplingState.create(SamplingParams(temperature=0.7), [5])
-    first = run([a])[0][0]
-    assert a.generator.device.type == "cuda"
-    assert run([b, other])[0][0] == first
-    assert make_generator(42, "cuda").device.type == "cuda"
+    alone = run(False)
+    assert run(True) == alone
+    assert len(set(alone)) > 1
