@@ -12,11 +12,11 @@ the client receives (streaming, n, logprobs, stop strings, seeds, usage) is the 
   for one token, or the first token stopped it) and n == 1: no decode step then.
 - Requests asking for prompt logprobs run on a decode engine alone (a consumer computes the prompt
   positions it needs logprobs for itself, so a prefill would be wasted).
-- The producer's hold is released when the decode's first output arrives, when the decode fails,
-  or when the prefill's output was the answer (the consumer also releases after its load; releases
-  are idempotent, and the producer's `hold_timeout_s` frees anything left).
-- n > 1: one n=1 request pulls the KV into a decode engine's prefix cache, then the n children run
-  from it on that engine (children scheduled in different steps must not read a released hold).
+- The producer's hold is released when the decode's first output arrives (n == 1), when the decode
+  ends or fails, or when the prefill's output was the answer (the consumer also releases after its
+  last reader loaded; releases are idempotent, and the producer's `hold_timeout_s` frees anything left).
+- n > 1: the decode engine's n children share one hold, which it releases after the last of them has
+  loaded; the router's own release waits for the end of the request (not its first output).
 - Faults: a prefill engine that is dead or refuses the request (overloaded) -> the request is
   computed on a decode engine without remote KV (counted as a fallback). A decode engine that dies
   -> its requests fail with `EngineDeadError`, as on a monolithic fleet.
@@ -131,16 +131,16 @@ class PDClient:
                 yield output
             return
         self.counters.pd_requests += 1
-        if int(user.get("n") or 1) > 1:
-            async for output in self._decode_n(request_id, prompt_token_ids, user, remote, priority):
-                yield output
-            return
+        # n == 1: the first output means the one reader has loaded. n > 1: a child scheduled steps after
+        # the first may still read the hold (the decode engine releases it after its last reader loads);
+        # the router's own release then waits for the end of the request.
+        early = int(user.get("n") or 1) == 1
         released = False
         try:
             async with contextlib.aclosing(self._decode(request_id, prompt_token_ids,
                                                         {**user, "kv_transfer_params": remote}, priority)) as stream:
                 async for output in stream:
-                    if not released:
+                    if early and not released:
                         released = True
                         self._release(remote)
                     yield output
@@ -151,27 +151,6 @@ class PDClient:
     def _decode(self, request_id: str, prompt_token_ids: list[int], params: dict,
                 priority: int) -> AsyncIterator[RequestOutput]:
         return self.decode.generate(request_id, prompt_token_ids, params, priority)
-
-    async def _decode_n(self, request_id: str, prompt_token_ids: list[int], user: dict, remote: dict,
-                        priority: int) -> AsyncIterator[RequestOutput]:
-        """n > 1: the decode engine runs n child requests, and the first to load releases the producer's
-        hold while a child scheduled in a later step may still read the prompt's tail from it (blocks the
-        producer may have reused by then). So one n=1, max_tokens=1 request pulls the KV into the decode
-        engine's prefix cache first; the n children then start from that cache on the same engine,
-        computing only the tail of the prompt that fills no whole block."""
-        index = self.decode.choose_engine(prompt_token_ids)
-        primer = {"n": 1, "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": remote}
-        try:
-            async with contextlib.aclosing(self.decode._generate_on(
-                    index, f"{request_id}-kv", prompt_token_ids, primer, priority)) as stream:
-                async for _ in stream:
-                    pass
-        finally:
-            self._release(remote)
-        async with contextlib.aclosing(self.decode._generate_on(index, request_id, prompt_token_ids, user,
-                                                                priority)) as stream:
-            async for output in stream:
-                yield output
 
     def _release(self, remote: dict[str, Any]) -> None:
         """Free the producer's hold (fire and forget: a dead producer's blocks went with it)."""
