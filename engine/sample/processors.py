@@ -84,13 +84,17 @@ def banned_bad_word_tokens(bad_words: list[list[int]], output: list[int]) -> lis
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch, view: BatchView) -> None:
     """HF repetition penalty over prompt + output tokens, then the OpenAI frequency / presence
-    penalties over output tokens, from the persistent counts."""
-    rows, pool_rows, rep, freq, pres = view.penalties
+    penalties over output tokens, from the persistent counts. A kind of penalty no row uses is
+    skipped (its formula would leave every row as it is)."""
+    rows, pool_rows, rep, freq, pres, use_rep, use_openai = view.penalties
     seen_pool, counts_pool = batch.counts()
     counts = counts_pool[pool_rows]
+    present = counts > 0
     x = logits[rows]
-    seen = (counts > 0) | seen_pool[pool_rows]
-    penalized = torch.where(x > 0, x / rep, x * rep)
-    x = torch.where(seen & (rep != 1.0), penalized, x)
-    x = x - freq * counts - pres * (counts > 0).to(x.dtype)
+    if use_rep:
+        seen = present | seen_pool[pool_rows]
+        penalized = torch.where(x > 0, x / rep, x * rep)
+        x = torch.where(seen & (rep != 1.0), penalized, x)
+    if use_openai:
+        x = x - freq * counts - pres * present.to(x.dtype)
     logits[rows] = x

@@ -116,7 +116,8 @@ class BatchView:
     # Device tensors (None when the batch has no such rows).
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, [n, V] mask of disallowed tokens)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # flat (rows, token ids, values)
-    penalties: tuple[torch.Tensor, ...] | None = None  # (rows, pool rows, rep, freq, pres) ([n, 1] params)
+    # (rows, pool rows, rep, freq, pres ([n, 1] params), any repetition penalty, any frequency/presence one)
+    penalties: tuple | None = None
     cache: dict[object, object] = field(default_factory=dict)  # per-composition derived tensors
 
     @property
@@ -352,7 +353,11 @@ class SamplingBatch:
         if len(pen_rows):
             params = torch.from_numpy(f[pen_rows][:, [F_REP, F_FREQ, F_PRES]].T.copy()).to(dev)
             rep, freq, pres = (p.unsqueeze(1) for p in params)
-            view.penalties = (_to(pen_rows, dev), _to(i[pen_rows, I_PEN_ROW], dev), rep, freq, pres)
+            pf = f[pen_rows]
+            use_rep = bool((pf[:, F_REP] != 1.0).any())
+            use_openai = bool((pf[:, F_FREQ] != 0.0).any() or (pf[:, F_PRES] != 0.0).any())
+            pool_rows = _to(i[pen_rows, I_PEN_ROW], dev)
+            view.penalties = (_to(pen_rows, dev), pool_rows, rep, freq, pres, use_rep, use_openai)
         self._view, self._view_generation = view, self._generation
         return view
 
