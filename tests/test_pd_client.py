@@ -76,6 +76,23 @@ def test_streaming_with_usage_equals_monolithic(clients):
         assert mono["usage"]["completion_tokens"] == 10
 
 
+def test_the_first_token_is_the_prefills_and_the_stream_still_equals_monolithic(clients, servers):
+    """n == 1: the client gets the prefill's token at once and the decode engine continues from it; the
+    stream (text with stop-string hold-back and split characters, logprobs, usage, seeded draws) is the
+    monolithic one."""
+    _, pd = servers
+    mono_client, pd_client = clients
+    before = pd.client.counters.continuations
+    bodies = [{"temperature": 0, "stop": ["zq", "never stops here"], "logprobs": 2},
+              {"temperature": 0.9, "top_p": 0.9, "seed": 11, "ignore_eos": True},
+              {"temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}]
+    for prompt, extra in zip(PROMPTS[2:], bodies):
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 9, **extra}
+        mono = sse_summary(mono_client, "/v1/completions", body)
+        assert not same_answer(mono, sse_summary(pd_client, "/v1/completions", body))
+    assert pd.client.counters.continuations == before + len(bodies)
+
+
 def test_n_logprobs_and_seeded_sampling_equal_monolithic(clients):
     for body in ({"n": 3, "logprobs": 2, "temperature": 0}, {"n": 2, "temperature": 1.0, "seed": 7, "logprobs": 1},
                  {"temperature": 0.8, "top_k": 20, "seed": 3}):
@@ -134,7 +151,8 @@ def test_only_blocks_the_decode_cache_lacks_move(clients, servers):
     second = after_one_more_load(first)
     both(clients, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
     third = after_one_more_load(second)
-    assert second["loaded_tokens"] - first["loaded_tokens"] == len(prompt) - 1
+    # n == 1 continues from the prefill's token: the whole prompt's KV moves (the token's own is computed).
+    assert second["loaded_tokens"] - first["loaded_tokens"] == len(prompt)
     # The second time the decode engine's prefix cache holds the full blocks: only the tail moves.
     moved = third["loaded_tokens"] - second["loaded_tokens"]
     assert 0 <= moved < 4

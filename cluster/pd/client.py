@@ -4,9 +4,12 @@
 A request first runs on a prefill engine (least loaded, prefix-affine: `DPCoordinator` over the
 routing policy) with `max_tokens=1`, `n=1` and `kv_transfer_params={"do_remote_decode": True}`; the
 producer keeps the prompt's KV and answers with where it is. Then the request runs on a decode
-engine with the user's own sampling params plus those kv_transfer_params: the decode engine loads
-the KV it lacks, computes the last prompt token and generates every output token itself, so what
-the client receives (streaming, n, logprobs, stop strings, seeds, usage) is the monolithic engine's.
+engine with the user's own sampling params plus those kv_transfer_params. With n == 1 the client gets
+the prefill's token at once (time to first token is the prefill's) and the decode engine continues
+from it (`continue_remote_output`: it loads the whole prompt's KV it lacks and computes that token's);
+with n > 1 the decode engine computes the last prompt token and generates every output token itself.
+Either way what the client receives (streaming, n, logprobs, stop strings, seeds, usage) is the
+monolithic engine's.
 
 - The prefill's output is the answer itself when it already finished the request (the user asked
   for one token, or the first token stopped it) and n == 1: no decode step then.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from typing import Any
 
 from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS, DPCoordinator
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -50,6 +55,7 @@ class PDCounters:
     prefill_answers: int = 0  # requests whose prefill output was the whole answer
     decode_only: int = 0  # requests sent straight to a decode engine (prompt logprobs)
     prefill_fallbacks: int = 0  # prefill engine dead or overloaded: computed on a decode engine
+    continuations: int = 0  # n == 1 requests whose first token was the prefill's (decode continued from it)
 
 
 def prefill_params(user: dict[str, Any]) -> dict[str, Any]:
@@ -66,6 +72,25 @@ def prefill_is_answer(user: dict[str, Any], final: RequestOutput) -> bool:
         return False
     reason = final.outputs[0].finish_reason
     return reason == "stop" or (reason == "length" and user.get("max_tokens") == 1)
+
+
+def first_token_delta(user: dict[str, Any], outputs: list[RequestOutput]) -> RequestOutput | None:
+    """The prefill's output as the first delta of a stream that goes on (n == 1): its one token, with the
+    text a monolithic stream would show by then (nothing of an incomplete character, stop-string hold-back
+    kept back). None when the prefill did not produce exactly one token."""
+    first = copy.deepcopy(outputs[0])
+    for later in outputs[1:]:
+        first.add(copy.deepcopy(later))
+    if len(first.outputs) != 1 or len(first.outputs[0].token_ids) != 1:
+        return None
+    stop = user.get("stop") or []
+    completion = first.outputs[0]
+    completion.text = streamed_text_of_first_tokens(completion.text, [stop] if isinstance(stop, str) else list(stop),
+                                                    bool(user.get("include_stop_str_in_output")))
+    completion.finish_reason = completion.stop_reason = None
+    first.finished = False
+    first.kv_transfer_params = None
+    return first
 
 
 class PDClient:
@@ -136,13 +161,26 @@ class PDClient:
         # the router's own release then waits for the end of the request.
         early = int(user.get("n") or 1) == 1
         released = False
+        decode_params = {**user, "kv_transfer_params": remote}
+        first = first_token_delta(user, outputs) if early else None
+        if first is not None:
+            # The client's first token is the prefill's own (time to first token = the prefill's); the decode
+            # engine continues from it: it loads the whole prompt and computes only that token onwards.
+            self.counters.continuations += 1
+            decode_params["kv_transfer_params"] = {**remote, "continue_remote_output": True}
+            yield first
+        first_logprob = first.outputs[0].cumulative_logprob if first is not None else None
         try:
-            async with contextlib.aclosing(self._decode(request_id, prompt_token_ids,
-                                                        {**user, "kv_transfer_params": remote}, priority)) as stream:
+            async with contextlib.aclosing(self._decode(request_id, prompt_token_ids, decode_params,
+                                                        priority)) as stream:
                 async for output in stream:
                     if early and not released:
                         released = True
                         self._release(remote)
+                    if first_logprob is not None:  # the decode engine's sums start after the prefill's token
+                        for completion in output.outputs:
+                            if completion.cumulative_logprob is not None:
+                                completion.cumulative_logprob += first_logprob
                     yield output
         finally:
             if not released:
