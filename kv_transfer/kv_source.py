@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.kv_transfer.layout import KVLayout
+
+
+# Revoked holds a rank remembers; older ones are refused by their expiry time instead.
+MAX_REMEMBERED_REVOCATIONS = 65536
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,15 @@ class KVSource:
         self.release_sink: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         self.bytes_served = 0
+        # Holds the producer has freed (most recent last): their blocks may be reused, reads are refused.
+        self._revoked: OrderedDict[str, None] = OrderedDict()
+
+    def revoke(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                self._revoked[rid] = None
+            while len(self._revoked) > MAX_REMEMBERED_REVOCATIONS:  # older ones are long past their expiry
+                self._revoked.popitem(last=False)
 
     def slots(self, spec: ReadSpec) -> torch.Tensor:
         bs = self.layout.block_size
@@ -63,6 +77,9 @@ class KVSource:
         """K and V of `layer` for the spec's tokens and heads: two [tokens, heads, head_size] tensors."""
         if time.time() > spec.expires_at:
             raise TimeoutError(f"read of request {spec.remote_request_id}: its hold expired; the blocks may be reused")
+        if spec.remote_request_id in self._revoked:
+            raise LookupError(f"read of request {spec.remote_request_id}: its hold was released; the blocks may be "
+                              "reused")
         if layer not in self.layers:
             raise ValueError(f"layer {layer} is not on producer rank {self.rank} (it holds {self.layers})")
         if spec.head_start < self.heads.start or spec.head_end > self.heads.stop:

@@ -14,6 +14,7 @@ fails makes the scheduler recompute the prompt locally (`mark_load_failed`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -45,12 +46,15 @@ class LoadJob:
 @dataclass
 class ConnectorMetadata:
     loads: list[LoadJob] = field(default_factory=list)
-    # (producer addresses, producer request id): readers done with a request that needed no load.
+    # (producer addresses, producer request id): holds this consumer's readers are done with.
     releases: list[tuple[list[Any], str]] = field(default_factory=list)
+    # Producer: holds freed since the last step; the ranks refuse reads of them from now on (their blocks
+    # may be reused by this very step).
+    revoked: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.releases
+        return not self.loads and not self.releases and not self.revoked
 
 
 @dataclass
@@ -101,6 +105,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # Producer: request id -> (request, block count, deadline); releases arrive from any thread.
         self._held: dict[str, tuple[ConnectorRequest, int, float]] = {}
         self._released: deque[str] = deque()
+        self._revoked: list[str] = []
+        self._hold_ids = itertools.count()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ consumer
@@ -173,8 +179,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._in_load[request.request_id] = job
 
     def build_connector_metadata(self) -> ConnectorMetadata:
-        md = ConnectorMetadata(self._loads, self._releases)
-        self._loads, self._releases = [], []
+        md = ConnectorMetadata(self._loads, self._releases, self._revoked)
+        self._loads, self._releases, self._revoked = [], [], []
         return md
 
     def load_finished(self, req_id: str, ok: bool) -> None:
@@ -221,11 +227,13 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return False
         deadline = time.time() + self.hold_timeout_s
         with self._lock:
-            self._held[request.request_id] = (request, len(block_ids), deadline)
+            # The hold's own id (a client may reuse request ids; a revoked hold must never match a new one).
+            hold_id = f"{request.request_id}@{next(self._hold_ids)}"
+            self._held[hold_id] = (request, len(block_ids), deadline)
         request.kv_transfer_params_out = {
             "do_remote_prefill": True,
             "remote_engine_id": self.config.engine_id,
-            "remote_request_id": request.request_id,
+            "remote_request_id": hold_id,
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": len(request.prompt_token_ids),
             "remote_output_token_ids": list(getattr(request, "output_token_ids", [])),
@@ -251,11 +259,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
         out = []
         with self._lock:
             while self._released:
-                entry = self._held.pop(self._released.popleft(), None)
+                hold_id = self._released.popleft()
+                entry = self._held.pop(hold_id, None)
                 if entry is not None:
                     out.append(entry[0])
+                    self._revoked.append(hold_id)
             for rid in [rid for rid, (_, _, deadline) in self._held.items() if deadline <= now]:
                 out.append(self._held.pop(rid)[0])
+                self._revoked.append(rid)
                 self.stats.expired_holds += 1
                 logger.warning("request %s: no reader released its KV within %.0f s; freeing its blocks",
                                rid, self.hold_timeout_s)

@@ -68,6 +68,8 @@ class PDConnectorWorker(KVConnectorWorker):
         self._step_started = time.perf_counter()
         if metadata is None:
             return
+        if self.source is not None and metadata.revoked:
+            self.source.revoke(metadata.revoked)  # before this step's forward pass may reuse their blocks
         for addresses, remote_id in metadata.releases:
             self._release(addresses, remote_id)
         for job in metadata.loads:

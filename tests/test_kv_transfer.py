@@ -317,3 +317,17 @@ def test_one_hold_feeding_n_children_is_released_after_the_last_child_loads(tiny
     want = _greedy(mono, [prompt], max_tokens=3)[0].outputs[0].token_ids
     assert [c.token_ids for c in out.outputs] == [want] * 3
     _all_free(mono, producer, consumer)
+
+
+def test_a_read_of_a_released_hold_is_refused_and_the_prompt_computed(tiny_llama):
+    mono, producer, consumer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompt = _prompts(18, [19])
+    remote = _prefill(producer, prompt)[0]
+    producer.llm_engine.release_kv([remote["remote_request_id"]])
+    other = _prefill(producer, _prompts(19, [30]))[0]  # its step frees the hold and may reuse the blocks
+    got = _decode(consumer, prompt, [remote])
+    producer.llm_engine.release_kv([other["remote_request_id"]])
+    assert _tokens(got) == _tokens(_greedy(mono, prompt))
+    stats = consumer.llm_engine.get_stats().kv_transfer
+    assert stats["load_failures"] == 1 and stats["fallbacks"] == 1 and stats["loads"] == 0
+    _all_free(mono, producer, consumer)
