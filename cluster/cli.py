@@ -140,8 +140,17 @@ def cmd_serve(args: ServeArgs) -> int:
 
     from pagedserve.cluster.serve_app import server_url, shutdown_server, start_server
 
-    print(f"pagedserve: model {args.model} (served as {args.model_name!r}); data parallel {args.data_parallel_size}, "
-          f"tensor parallel {args.tensor_parallel_size}, pipeline parallel {args.pipeline_parallel_size}", flush=True)
+    if args.disaggregated:
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        print(f"pagedserve: model {args.model} (served as {args.model_name!r}); prefill/decode disaggregated: "
+              f"{args.num_prefill_engines} prefill engine(s) (TP {args.prefill_tensor_parallel_size or tp}, "
+              f"PP {args.prefill_pipeline_parallel_size or pp}), {args.num_decode_engines} decode engine(s) "
+              f"(TP {args.decode_tensor_parallel_size or tp}, PP {args.decode_pipeline_parallel_size or pp}), "
+              f"KV over {args.kv_connector!r}", flush=True)
+    else:
+        print(f"pagedserve: model {args.model} (served as {args.model_name!r}); data parallel "
+              f"{args.data_parallel_size}, tensor parallel {args.tensor_parallel_size}, pipeline parallel "
+              f"{args.pipeline_parallel_size}", flush=True)
     print("pagedserve: starting Ray and Serve, loading the model and sizing the KV cache ...", flush=True)
     handle = start_server(args)
     for info in handle.get_engine_info.remote().result():
