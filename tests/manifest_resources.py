@@ -17,6 +17,7 @@ check for manifests, not an optimal solver: a demand it places surely fits.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,7 +88,23 @@ def engine_replicas(args: Any, app: dict) -> int:
     return _replicas(_override(app, (f"{args.app_name}-engine",)), default)
 
 
+def pool_demand(args: Any, role: str, cluster_has_gpu: bool) -> EngineDemand:
+    """One engine of a prefill/decode pool (`cluster/pd/pools.py`): the pool's TP/PP layout, and its custom
+    resources on the engine actor or on every bundle of its placement group."""
+    layout = {"tensor_parallel_size": getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size,
+              "pipeline_parallel_size": getattr(args, f"{role}_pipeline_parallel_size") or args.pipeline_parallel_size}
+    demand = engine_demand(args.model_copy(update=layout), cluster_has_gpu)
+    pins = {k: float(v) for k, v in getattr(args, f"{role}_resources").items()}
+    demand.actor = {**demand.actor, **pins} if demand.actor else demand.actor
+    demand.bundles = [{**b, **pins} for b in demand.bundles]
+    return demand
+
+
 def app_demand(args: Any, app: dict, ingress_options: dict, cluster_has_gpu: bool) -> AppDemand:
+    if args.disaggregated:  # the pools' engines; the pools and ingress deployments reserve no CPU
+        engines = ([pool_demand(args, "prefill", cluster_has_gpu) for _ in range(args.num_prefill_engines)]
+                   + [pool_demand(args, "decode", cluster_has_gpu) for _ in range(args.num_decode_engines)])
+        return AppDemand(engines=engines, ingress=[{"CPU": 0.0} for _ in range(args.num_ingress_replicas)])
     engines = [engine_demand(args, cluster_has_gpu) for _ in range(engine_replicas(args, app))]
     return AppDemand(engines=engines, ingress=ingress_demand(app, ingress_options, args.num_ingress_replicas,
                                                              args.app_name))
@@ -134,7 +151,24 @@ def pod_offer(group: str, start_params: dict, pod: dict) -> dict[str, float]:
     gpus = quantity(start_params.get("num-gpus", gpu_limit))
     if gpus != gpu_limit:
         raise ManifestError(f"{group}: rayStartParams num-gpus {gpus:g} but limits nvidia.com/gpu {gpu_limit:g}")
-    return {"CPU": cpus, "GPU": gpus}
+    return {"CPU": cpus, "GPU": gpus, **custom_resources(group, start_params.get("resources"))}
+
+
+def custom_resources(group: str, value: Any) -> dict[str, float]:
+    """rayStartParams `resources`, which KubeRay passes to `ray start --resources`: a quoted JSON object
+    ('"{\\"name\\": 1}"')."""
+    if value is None:
+        return {}
+    text = str(value).strip()
+    if text.startswith('"') and text.endswith('"'):
+        text = json.loads(text)
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{group}: rayStartParams resources {value!r} is not a JSON object: {exc}") from None
+    if not isinstance(parsed, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in parsed.values()):
+        raise ManifestError(f"{group}: rayStartParams resources {value!r} must map names to positive amounts")
+    return {str(k): float(v) for k, v in parsed.items()}
 
 
 def kuberay_nodes(spec: dict) -> list[Node]:
@@ -173,16 +207,17 @@ def ray_up_nodes(prepared: dict) -> list[Node]:
 
 
 def _fits(node: Node, need: dict[str, float]) -> bool:
-    return all(node.free.get(r, 0) + 1e-9 >= need.get(r, 0) for r in RESOURCES)
+    return all(node.free.get(r, 0) + 1e-9 >= amount for r, amount in need.items())
 
 
 def _take(node: Node, need: dict[str, float]) -> None:
-    for r in RESOURCES:
-        node.free[r] = node.free.get(r, 0) - need.get(r, 0)
+    for r, amount in need.items():
+        node.free[r] = node.free.get(r, 0) - amount
 
 
 def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
-    return {r: sum(b.get(r, 0) for b in bundles) for r in RESOURCES}
+    names = {r for b in bundles for r in b} | set(RESOURCES)
+    return {r: sum(b.get(r, 0) for b in bundles) for r in names}
 
 
 def _place_group(nodes: list[Node], bundles: list[dict[str, float]], strategy: str) -> bool:

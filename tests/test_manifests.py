@@ -22,7 +22,7 @@ from tests.manifest_checks import (
 from tests.manifest_resources import app_demand, check_fit, engine_demand, kuberay_nodes, pod_offer, ray_up_nodes
 
 RAY_UP = ["ray-cluster-aws.yaml", "ray-cluster-local.yaml"]
-KUBERAY = ["raycluster-cpu.yaml", "rayservice-cpu.yaml", "rayservice-gpu.yaml"]
+KUBERAY = ["raycluster-cpu.yaml", "rayservice-cpu.yaml", "rayservice-gpu.yaml", "rayservice-pd.yaml"]
 # The Serve config each RayCluster is meant to run (a RayService carries its own, in serveConfigV2).
 RAYCLUSTER_SERVE_CONFIG = {"raycluster-cpu.yaml": MANIFESTS / "kuberay" / "serve-config-cpu.yaml"}
 
@@ -159,6 +159,20 @@ def test_kuberay_app_fits_worker_groups(name, serve_app, tiny_llama):
     obj = manifest(f"kuberay/{name}")
     nodes = kuberay_nodes(cluster_spec(as_api_server_stores(obj)))
     check_app_fits(serve_config_for_kuberay(name, obj), nodes, serve_app, tiny_llama, name)
+
+
+@pytest.mark.parametrize("group, params", [
+    ("decode-workers", {"num-cpus": "2"}),  # no decode_node resource: the decode pool lands nowhere
+    ("prefill-workers", {"num-cpus": "1", "resources": '"{\\"prefill_node\\": 1}"'}),  # 1 CPU < 2 per engine
+])
+def test_kuberay_pd_pools_without_their_worker_group_fail(group, params, serve_app, tiny_llama):
+    obj = manifest("kuberay/rayservice-pd.yaml")
+    spec = cluster_spec(as_api_server_stores(obj))
+    target = next(g for g in spec["workerGroupSpecs"] if g["groupName"] == group)
+    target["rayStartParams"] = params
+    with pytest.raises(ManifestError):
+        check_app_fits(serve_config_for_kuberay("rayservice-pd.yaml", obj), kuberay_nodes(spec), serve_app, tiny_llama,
+                       "broken rayservice-pd")
 
 
 @pytest.mark.parametrize(
