@@ -197,7 +197,10 @@ def test_overloaded_engine_is_skipped_for_another():
     engines[1].generate = _refusing(engines[1])
 
     async def run():
-        return [[o async for o in coord.generate(f"r{i}", make_prompt(i), {})] for i in range(6)]
+        results = []
+        for i in range(6):  # (a loop: an async comprehension inside a comprehension needs Python 3.11)
+            results.append([o async for o in coord.generate(f"r{i}", make_prompt(i), {})])
+        return results
 
     results = asyncio.run(run())
     assert all(outs[-1].finished and len(outs) == 5 for outs in results)
