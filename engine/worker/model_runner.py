@@ -300,7 +300,8 @@ class ModelRunner:
                         output.logprobs[rid] = sampled.logprobs[row]
         for rid in output.failed:
             output.prompt_logprobs.pop(rid, None)
-        output.model_seconds = timer.seconds()
+        if self.is_driver:  # (only the driver reports; on CUDA reading the timer waits for the device)
+            output.model_seconds = timer.seconds()
         return output if self.is_driver else None
 
     def _finish_kv_loads(self, kv_md, output: ModelRunnerOutput | None = None) -> None:
