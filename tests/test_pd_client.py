@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from ray.exceptions import RayActorError
@@ -208,16 +210,24 @@ class _DeadOnGenerate:
         return _Method()
 
 
+@contextlib.contextmanager
+def dead_engine(pd: LocalPD, pool: str, after_outputs: int = 0) -> Iterator[None]:
+    """The pool's first engine dies on generate (after `after_outputs` outputs) until the block ends."""
+    state = getattr(pd.client, pool).engines[0]
+    handle = getattr(pd, f"{pool}_handle")
+    state.handle = _DeadOnGenerate(handle, after_outputs=after_outputs)
+    try:
+        yield
+    finally:
+        state.handle = handle
+        state.available = True
+
+
 def test_dead_prefill_engine_falls_back_to_the_decode_engine(clients, servers):
     _, pd = servers
-    state = pd.client.prefill.engines[0]
     fallbacks = pd.client.counters.prefill_fallbacks
-    state.handle = _DeadOnGenerate(pd.prefill_handle)
-    try:
+    with dead_engine(pd, "prefill"):
         mono, disagg = both(clients, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0})
-    finally:
-        state.handle = pd.prefill_handle
-        state.available = True
     assert not same_answer(mono, disagg)
     assert pd.client.counters.prefill_fallbacks == fallbacks + 1
 
@@ -225,9 +235,7 @@ def test_dead_prefill_engine_falls_back_to_the_decode_engine(clients, servers):
 def test_dead_decode_engine_fails_cleanly_and_releases_the_hold(clients, servers):
     _, pd = servers
     _, pd_client = clients
-    state = pd.client.decode.engines[0]
-    state.handle = _DeadOnGenerate(pd.decode_handle, after_outputs=1)
-    try:
+    with dead_engine(pd, "decode", after_outputs=1):
         response = pd_client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[4],
                                                            "max_tokens": 40, "temperature": 0, "ignore_eos": True})
         assert response.status_code == 503
@@ -236,24 +244,16 @@ def test_dead_decode_engine_fails_cleanly_and_releases_the_hold(clients, servers
                                                                "max_tokens": 40, "stream": True}) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert any('"engine_dead"' in line for line in lines) and lines[-1] == "data: [DONE]"
-    finally:
-        state.handle = pd.decode_handle
-        state.available = True
     # (every_block_free: the producer's holds were released, the abandoned decodes finished)
 
 
 def test_decode_failure_before_any_output_releases_the_hold(clients, servers):
     _, pd = servers
     _, pd_client = clients
-    state = pd.client.decode.engines[0]
-    state.handle = _DeadOnGenerate(pd.decode_handle, after_outputs=0)
-    try:
+    with dead_engine(pd, "decode"):
         response = pd_client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[4],
                                                            "max_tokens": 5, "temperature": 0})
         assert response.status_code == 503
-    finally:
-        state.handle = pd.decode_handle
-        state.available = True
     figures = pd.wait_idle()
     assert figures[0][2] == 0  # nothing held on the prefill engine
 
