@@ -45,6 +45,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", help="KV cache budget on CPU, e.g. 4GiB")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help="on a GPU: the share of its memory the engine may use (default 0.9)")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="on a GPU: run every step eagerly, capture no CUDA graphs for decode batches")
+    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
+                        help="decode batch sizes to capture CUDA graphs for (default 1 2 4 8 16 24 ... "
+                             "up to --max-num-seqs)")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
     parser.add_argument("--max-logprobs", type=int, help="most logprobs a request may ask for (default 20)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)

@@ -104,6 +104,12 @@ class EngineConfig(BaseModel):
     # (weights, activations, KV cache); the KV cache gets what a profile run leaves (memory_profiler).
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     num_kv_blocks: int | None = Field(default=None, ge=1, description="Override the number of KV blocks (tests).")
+    # On CUDA, decode-only steps replay CUDA graphs captured at start-up (engine/worker/cuda_graphs.py);
+    # True runs every step eagerly (vLLM's name): no capture time, no graph memory, easier debugging.
+    enforce_eager: bool = False
+    # Decode batch sizes to capture graphs for (vLLM's name); None: 1, 2, 4, 8, then every multiple of 8 up
+    # to max_num_seqs. A batch runs in the graph of the smallest size that holds it (padded rows).
+    cuda_graph_sizes: list[int] | None = None
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_logprobs: int = Field(default=20, ge=0)
     tensor_parallel_size: int = Field(default=1, ge=1)
@@ -127,6 +133,17 @@ class EngineConfig(BaseModel):
         if v is not None:
             parse_memory_size(v)
         return v
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _check_cuda_graph_sizes(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("cuda_graph_sizes: must list at least one batch size (enforce_eager turns graphs off)")
+        if any(size < 1 for size in v):
+            raise ValueError(f"cuda_graph_sizes: every size must be a positive integer, got {v}")
+        return sorted(set(v))
 
     @field_validator("kv_transfer_config")
     @classmethod
