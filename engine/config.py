@@ -123,6 +123,9 @@ class EngineConfig(BaseModel):
     # the default KV budget (kv_cache_memory unset) is a budget for the whole node, so each takes its share.
     kv_cache_memory_share: float = Field(default=1.0, gt=0, le=1)
     kv_transfer_config: dict[str, Any] | None = None
+    # Speculative decoding, vLLM's shape: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
+    # (a dict, or its JSON text as the CLI passes it); see engine/spec_decode/config.py.
+    speculative_config: dict[str, Any] | None = None
 
     # Resolved from the HF config by `resolve()`; not user input.
     hf_config: Any = Field(default=None, exclude=True)
@@ -154,6 +157,23 @@ class EngineConfig(BaseModel):
         from pagedserve.kv_transfer.config import parse_kv_transfer_config
 
         return parse_kv_transfer_config(v).model_dump()
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _check_speculative(cls, v: Any) -> dict[str, Any] | None:
+        from pagedserve.engine.spec_decode.config import parse_speculative_config
+
+        spec = parse_speculative_config(v)
+        return None if spec is None else spec.model_dump()
+
+    @property
+    def speculative(self):
+        """The parsed speculative_config (an engine.spec_decode.config.SpeculativeConfig), or None."""
+        if self.speculative_config is None:
+            return None
+        from pagedserve.engine.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.model_validate(self.speculative_config)
 
     @field_validator("block_size")
     @classmethod
@@ -233,6 +253,11 @@ class EngineConfig(BaseModel):
                 f"max_num_batched_tokens: {budget} is smaller than max_model_len {max_model_len}; "
                 "without chunked prefill a whole prompt must fit in one step"
             )
+        spec = self.speculative
+        if spec is not None and spec.method == "draft_model":
+            from pagedserve.engine.spec_decode.config import check_draft_compatible, load_draft_hf_config
+
+            check_draft_compatible(spec, hf_config, load_draft_hf_config(spec))
         update = dict(hf_config=hf_config, max_model_len=max_model_len, max_num_batched_tokens=budget)
         return self.model_copy(update=update)
 
