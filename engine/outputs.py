@@ -133,6 +133,8 @@ class SchedulerStats:
     step_seconds: float = 0.0
     # KV connector counters (kv_transfer.scheduler_connector.KVTransferStats as a dict); {} without one.
     kv_transfer: dict = field(default_factory=dict)
+    # Speculative decoding counters (engine.spec_decode.metrics.SpecDecodeStats as a dict); {} without it.
+    spec_decoding: dict = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
