@@ -18,7 +18,7 @@ from pagedserve.kernels.triton.decode_attention import (
 from pagedserve.kernels.triton.norm import _rms_norm_kernel
 from pagedserve.kernels.triton.prefill_attention import _prefill_kernel
 from pagedserve.kernels.triton.rotary import _rotary_kernel
-from pagedserve.kernels.triton.sampling import _top_k_top_p_min_p_kernel
+from pagedserve.kernels.triton.sampling import _mask_kernel, _masked_exp_sum_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -70,9 +70,10 @@ def main() -> None:
                                     "k_out_ptr": "*bf16", "cache_ptr": "*fp32"},
                    set(), dict(IS_NEOX=False, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64))
     compile_kernel(_silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024))
-    compile_kernel(_top_k_top_p_min_p_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_k_ptr": "*i32",
-                                               "top_p_ptr": "*fp32", "min_p_ptr": "*fp32"},
-                   set(), dict(HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, BLOCK=1024))
+    compile_kernel(_masked_exp_sum_kernel, {"logits_ptr": "*fp32", "rows_ptr": "*i64", "kth_ptr": "*fp32",
+                                            "max_ptr": "*fp32", "out_ptr": "*fp32"}, set(), dict(BLOCK=1024))
+    compile_kernel(_mask_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "thr_ptr": "*fp32",
+                                  "min_p_ptr": "*fp32"}, set(), dict(HAS_MIN_P=True, BLOCK=1024))
 
 
 if __name__ == "__main__":

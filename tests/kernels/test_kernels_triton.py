@@ -162,6 +162,44 @@ def test_top_k_top_p_min_p_triton_matches_twin(which):
     assert torch.equal(out, twin)
 
 
+def test_top_k_top_p_min_p_triton_edge_rows(monkeypatch):
+    """Ties at every threshold, -inf entries, a row with one finite token, an all -inf row, vocab 301
+    (not a power of two), k past the topk candidate limit (those rows take the full sort), and top-p
+    rows with and without top-k in one batch."""
+    import pagedserve.kernels.triton.sampling as sampling_mod
+
+    monkeypatch.setattr(sampling_mod, "TOPK_CANDIDATES", 8)  # k = 20 and k = 9 rows then sort whole rows
+    gen = torch.Generator().manual_seed(22)
+    vocab = 301
+    logits = (torch.randn(9, vocab, generator=gen) * 3).round()  # integers: many ties
+    logits[0, 0], logits[0, 1:200] = 10.0, 5.0  # ties at the k-th past the candidates carry top-p mass
+    logits[1, :] = float("-inf")
+    logits[1, 7] = 2.0  # everything but one token masked
+    logits[2, ::2] = float("-inf")
+    logits[3, :] = float("-inf")  # nothing finite: the twin keeps the row as it is
+    logits[4, :] = 1.0  # all tied
+    logits[5, :40] = 9.0  # 40-way tie at the top: top-k 3 keeps all 40
+    top_k = torch.tensor([3, 2, 5, 4, 1, 3, 0, 20, 9], dtype=torch.int32)
+    top_p = torch.tensor([0.7, 0.5, 0.3, 0.9, 0.5, 0.2, 0.6, 0.8, 1.0])
+    min_p = torch.tensor([0.1, 0.0, 0.3, 0.5, 0.9, 0.0, 0.05, 0.2, 0.0])
+    for args in ((top_k, top_p, min_p), (top_k, None, None), (None, top_p, None), (top_k, top_p, None),
+                 (None, None, min_p)):
+        out = apply_top_k_top_p_min_p_triton(logits, *args, block=64)
+        assert torch.equal(out, apply_top_k_top_p_min_p_torch(logits, *args)), args
+    assert int(torch.isfinite(apply_top_k_top_p_min_p_triton(logits, top_k, None, None)[5]).sum()) == 40
+
+
+def test_top_k_top_p_min_p_triton_large_vocab():
+    gen = torch.Generator().manual_seed(23)
+    logits = torch.randn(3, 32000, generator=gen) * 5
+    top_k = torch.tensor([50, 0, 1000], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 0.95, 0.5])
+    min_p = torch.tensor([0.0, 0.01, 0.1])
+    out = apply_top_k_top_p_min_p_triton(logits, top_k, top_p, min_p)
+    assert torch.equal(out, apply_top_k_top_p_min_p_torch(logits, top_k, top_p, min_p))
+    assert 0 < int(torch.isfinite(out[1]).sum()) < 32000  # the top-p-only row was cut
+
+
 def test_dispatch_picks_triton_for_cuda_tensors(monkeypatch):
     """Entry points route CUDA tensors to the Triton launchers (spied here: no GPU on CI) and CPU to the twin."""
     import pagedserve.kernels.triton.decode_attention as decode_mod
