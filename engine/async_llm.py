@@ -93,9 +93,12 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         stream_delta: bool = True,
+        output_kind: OutputKind | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (deltas by default). Bad input raises ValueError before the
-        first output; the request is aborted if the caller stops iterating (client disconnect)."""
+        first output; the request is aborted if the caller stops iterating (client disconnect).
+        `output_kind` overrides `stream_delta`: FINAL_ONLY yields only the finished output, for a caller
+        that reads nothing before the end (its text is then decoded once, not token by token)."""
         self._raise_if_dead()
         request_id = request_id or f"req-{next(self._ids)}"
         if self._num_active >= self.max_pending_requests:
@@ -104,7 +107,7 @@ class AsyncLLM:
             )
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        kind = OutputKind.DELTA if stream_delta else OutputKind.CUMULATIVE
+        kind = output_kind if output_kind is not None else OutputKind.DELTA if stream_delta else OutputKind.CUMULATIVE
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, sampling_params, priority, kind, stream), added))
         self._num_active += 1
@@ -119,7 +122,7 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 # Several steps' deltas waiting (a slow consumer, e.g. an HTTP stream): send them as one.
-                while stream_delta and not item.finished and not stream.queue.empty():
+                while kind == OutputKind.DELTA and not item.finished and not stream.queue.empty():
                     later = stream.queue.get_nowait()
                     if isinstance(later, BaseException):
                         error = later
