@@ -50,3 +50,55 @@ def test_greedy_matches_hf_on_cuda(tiny_llama):
     hf = _hf_model(tiny_llama)
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt["prompt_token_ids"], 10)
+
+
+def test_decode_cuda_graphs_replay_what_the_eager_forward_computes(tiny_model_factory, monkeypatch):
+    """Captured decode graphs (split-K over 4 partitions at max_model_len 2048) give the eager run's greedy
+    tokens when the engine's decode steps replay them, and its hidden states for a padded batch."""
+    from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+    from pagedserve.engine.worker.cuda_graphs import CUDAGraphRunner
+
+    model = tiny_model_factory("llama", max_position_embeddings=2048)
+    llm = _llm(model, kv_cache_memory="256MiB", max_model_len=2048, max_num_seqs=8, enforce_eager=True,
+               enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    config = runner.config.model_copy(update={"enforce_eager": False, "cuda_graph_sizes": [1, 2, 4, 8]})
+    graphs = CUDAGraphRunner(runner.model, runner.kv_caches, config, runner.device)
+    graphs.capture()
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    forward, routed = runner.model.forward, []
+
+    def forward_with_graphs(input_ids, positions, kv_caches, md, intermediate=None, kv_hooks=None):
+        if graphs.can_run(positions.shape[0], md, has_intermediate=intermediate is not None,
+                          has_kv_hooks=kv_hooks is not None):
+            routed.append(md.num_decodes)
+            return graphs.run(input_ids, positions, md)
+        return forward(input_ids, positions, kv_caches, md, intermediate=intermediate, kv_hooks=kv_hooks)
+
+    monkeypatch.setattr(runner.model, "forward", forward_with_graphs)
+    graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert graphed == eager
+    assert 3 in routed
+
+    # One padded batch (3 -> 4 rows) against the eager forward; slot -1 keeps the cache as it is.
+    device, bs = runner.device, runner.block_size
+    seq_lens = [20, 600, 7]
+    width = -(-max(seq_lens) // bs)
+    tables = torch.stack([torch.arange(1 + i * width, 1 + (i + 1) * width) for i in range(3)]).int().to(device)
+    md = AttentionMetadata(
+        slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(4, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables=tables,
+        num_decodes=3, num_decode_tokens=3, max_query_len=1, max_seq_len=max(seq_lens),
+        query_start_loc_cpu=[0, 1, 2, 3], seq_lens_cpu=seq_lens,
+    )
+    ids = torch.tensor([11, 12, 13], device=device)
+    pos = torch.tensor(seq_lens, device=device) - 1
+    with torch.inference_mode():
+        expected = forward(ids, pos, runner.kv_caches, md).clone()
+        replayed = graphs.run(ids, pos, md).clone()
+    torch.testing.assert_close(replayed, expected, rtol=1e-4, atol=1e-4)
+    llm.shutdown()
