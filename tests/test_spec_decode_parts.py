@@ -87,7 +87,7 @@ def test_config_errors_name_the_field(value, prefix):
 def test_draft_model_config_loading_and_vocab_check(tmp_path):
     from transformers import LlamaConfig
 
-    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     LlamaConfig(vocab_size=512, **small).save_pretrained(tmp_path / "draft")
     spec = parse_speculative_config({"model": str(tmp_path / "draft"), "num_speculative_tokens": 2})
     draft_cfg = load_draft_hf_config(spec)
@@ -255,7 +255,7 @@ def test_random_row_accepts_certain_drafts_and_never_zero_probability_ones():
 
 
 def seeded_row(drafts: list[int], seed: int, **kw) -> SpecRow:
-    params = dict(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0)
+    params = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
     params.update(kw)
     return SpecRow(drafts, greedy=False, generator=torch.Generator().manual_seed(seed), **params)
 
@@ -313,7 +313,6 @@ def test_seeded_row_without_drafts_samples_like_the_plain_sampler():
 
 
 def test_filters_are_applied_to_drafts_and_emitted_tokens():
-    vocab = 8
     logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0]] * 3)
     gen = torch.Generator().manual_seed(9)
     # top-k 2: draft 5 is outside it, so it is never accepted and only tokens 0/1 are emitted.
@@ -321,8 +320,8 @@ def test_filters_are_applied_to_drafts_and_emitted_tokens():
     results = rejection_sample(torch.cat([logits] * 300), rows, shared_generator=gen)
     assert all(r.accepted_token_ids == [] for r in results)
     assert {r.next_token_id for r in results} == {0, 1}
-    # top-p 0.5 keeps token 0 (p ~0.38) and 1 (~0.23); min-p 0.5 keeps those with p >= 0.5 * p_max (0, 1).
-    for kw in (dict(top_p=0.5, min_p=0.0), dict(top_p=1.0, min_p=0.5)):
+    # p ~ [0.44, 0.27, 0.16, ...]: top-p 0.5 keeps tokens 0 and 1; so does min-p 0.5 (p >= 0.22).
+    for kw in ({"top_p": 0.5, "min_p": 0.0}, {"top_p": 1.0, "min_p": 0.5}):
         rows = [SpecRow([3, 0], greedy=False, temperature=1.0, top_k=0, generator=None, **kw)] * 300
         results = rejection_sample(torch.cat([logits] * 300), rows, shared_generator=gen)
         assert all(r.accepted_token_ids == [] for r in results)

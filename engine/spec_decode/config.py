@@ -111,9 +111,7 @@ def _usable_bound(value: Any) -> bool:
 
 def _field_error(error: dict[str, Any]) -> str:
     loc = ".".join(str(part) for part in error.get("loc", ()))
-    msg = str(error.get("msg", "invalid value"))
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+    msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
     return f"{_PREFIX}.{loc}: {msg}" if loc else f"{_PREFIX}: {msg}"
 
 
