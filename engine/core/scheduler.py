@@ -21,9 +21,11 @@ from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.scheduler_kv import KVTransferSchedulingMixin
+from pagedserve.engine.core.scheduler_spec import SpecDecodeSchedulingMixin
 from pagedserve.engine.core.request_queue import RequestQueue, create_request_queue
 from pagedserve.engine.core.stop_conditions import accept_constrained, check_stop
 from pagedserve.engine.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.engine.spec_decode.metrics import SpecDecodeStats
 from pagedserve.kv_transfer.base import KVConnectorScheduler
 
 if TYPE_CHECKING:
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(KVTransferSchedulingMixin):
+class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -70,6 +72,11 @@ class Scheduler(KVTransferSchedulingMixin):
         self._preemptions_sent: dict[str, int] = {}
         # Requests finished because they can never fit in the cache; reported with the next outputs.
         self._unfittable: list[Request] = []
+
+        spec = config.speculative
+        self.spec_k = 0 if spec is None else spec.num_speculative_tokens
+        self.spec_disable_batch_size = None if spec is None else spec.disable_by_batch_size
+        self.spec_stats = None if spec is None else SpecDecodeStats()
 
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -169,6 +176,7 @@ class Scheduler(KVTransferSchedulingMixin):
         self.free_released_kv()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, int] = {}  # speculating decodes -> drafts they may verify
         scheduled: list[Request] = []
         preempted_this_step = False
         self._admit_grammar_ready()
@@ -181,12 +189,18 @@ class Scheduler(KVTransferSchedulingMixin):
             if request.status != RequestStatus.RUNNING or request.request_id in self._in_flight:
                 continue  # preempted earlier in this loop, or its previous batch is still in flight
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_drafts = self._spec_tokens_for(request, budget)
+            num_new += num_drafts
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                if num_drafts:  # no room for the drafts' slots: decode plainly before preempting anyone
+                    num_new, num_drafts = num_new - num_drafts, 0
+                    continue
                 victim = self._choose_victim()
                 if victim is None:  # everything else is in flight (pipeline): retry next step
                     break
                 if victim.request_id in num_scheduled:  # only under priority: undo its share of this step
                     budget += num_scheduled.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                     scheduled.remove(victim)
                 self._preempt(victim)
                 preempted_this_step = True
@@ -197,6 +211,8 @@ class Scheduler(KVTransferSchedulingMixin):
                     break
             else:
                 num_scheduled[request.request_id] = num_new
+                if num_drafts:
+                    spec_tokens[request.request_id] = num_drafts
                 scheduled.append(request)
                 budget -= num_new
 
@@ -246,7 +262,9 @@ class Scheduler(KVTransferSchedulingMixin):
             scheduled.append(request)
             budget -= num_new
 
-        return self._build_output(scheduled, num_scheduled)
+        output = self._build_output(scheduled, num_scheduled)
+        output.num_spec_tokens = spec_tokens
+        return output
 
     def _build_output(self, scheduled: list[Request], num_scheduled: dict[str, int]) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
@@ -368,7 +386,9 @@ class Scheduler(KVTransferSchedulingMixin):
             new_token_ids: list[int] = []
             token = runner_output.sampled_token_ids.get(rid)
             error = None
-            if token is not None:
+            if rid in scheduler_output.num_spec_tokens:
+                new_token_ids = self._land_spec_tokens(request, num_tokens, runner_output)
+            elif token is not None:
                 request.append_output_token(token)
                 new_token_ids.append(token)
                 self.num_generation_tokens += 1
@@ -419,4 +439,5 @@ class Scheduler(KVTransferSchedulingMixin):
             num_steps=self.num_steps,
             model_seconds=self.model_seconds,
             kv_transfer={} if self.kv_connector is None else vars(self.kv_connector.snapshot_stats()),
+            spec_decoding={} if self.spec_stats is None else self.spec_stats.as_dict(),
         )

@@ -52,6 +52,9 @@ class SchedulerOutput:
     # KV connector (prefill/decode disaggregation): the loads and releases the workers do this step
     # (a kv_transfer.scheduler_connector.ConnectorMetadata), or None without a connector.
     kv_connector_metadata: Any = None
+    # Speculative decoding: req_id -> how many draft tokens it may verify this step (its
+    # num_scheduled_tokens is 1 + that: its last token and the drafts).
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -75,3 +78,7 @@ class ModelRunnerOutput:
     # Time this step spent in the model (forward, logits, sampling), for the host-overhead share:
     # wall time on CPU, device time (CUDA events) on a GPU.
     model_seconds: float = 0.0
+    # Speculative decoding: the drafts each speculating request had accepted (its emitted tokens are these
+    # followed by its sampled_token_ids entry) and how many drafts it proposed.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)

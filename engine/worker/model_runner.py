@@ -12,12 +12,12 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.worker.flat_batch import build_flat_inputs
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.models.loader import load_model, resolve_dtype
 from pagedserve.engine.sample.sampler import Sampler, SamplingState, compute_prompt_logprobs, describe_failure
@@ -74,6 +74,11 @@ class _Batch:
     # Indices (into the flat token batch) of the last token of sequences that sample.
     sample_rows: list[int]
     sample_req_ids: list[str]
+    # Speculating requests: their proposed tokens (the query is [last token] + drafts; every position
+    # of it is verified) and the flat-batch rows of those positions, in request order.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    spec_rows: list[int] = field(default_factory=list)
+    spec_req_ids: list[str] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -97,6 +102,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: KVCaches = []
         self.kv_hooks = None  # worker half of a KV connector (kv_transfer.base.KVConnectorWorker)
+        self.speculator = None  # speculative decoding (worker.speculator.Speculator), made with the model
 
     # ------------------------------------------------------------------ setup
 
@@ -108,16 +114,25 @@ class ModelRunner:
             self.config.model, self.hf_config, self.dtype, self.parallel, device=self.device,
             max_position=self.config.max_model_len,
         )
+        spec = self.config.speculative
+        if spec is not None:
+            from pagedserve.engine.worker.speculator import Speculator
+
+            self.speculator = Speculator(spec, self.dtype, self.device, self.block_size, self.config.max_model_len)
 
     def kv_cache_bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_size = self.model.kv_cache_shape_per_layer()
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * num_layers * self.block_size * num_kv_heads * head_size * element
+        target = 2 * num_layers * self.block_size * num_kv_heads * head_size * element
+        # A draft model's cache has as many blocks as the target's (it reads them through the same tables).
+        return target + (self.speculator.kv_cache_bytes_per_block() if self.speculator is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_size = self.model.kv_cache_shape_per_layer()
         shape = (num_blocks, self.block_size, num_kv_heads, head_size)
         self.kv_caches = [(self._zeros_kv(shape), self._zeros_kv(shape)) for _ in range(num_layers)]
+        if self.speculator is not None:
+            self.speculator.initialize_kv_cache(num_blocks, self._zeros_kv)
         if self.config.kv_transfer_config is not None:
             from pagedserve.kv_transfer.factory import make_worker_connector
 
@@ -155,6 +170,8 @@ class ModelRunner:
             finished = self.requests.pop(req_id, None)
             if finished is not None:
                 self.sampler.release(finished.sampling)  # frees its persistent sampling rows
+            if self.speculator is not None:
+                self.speculator.request_finished(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             output_ids = list(new.output_token_ids)
@@ -176,6 +193,8 @@ class ModelRunner:
                 ),
                 prompt_logprobs=params.prompt_logprobs,
             )
+            if self.speculator is not None:
+                self.speculator.request_added(new.req_id, new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.new_token_ids:
@@ -186,63 +205,56 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if self.speculator is not None:
+                self.speculator.request_updated(cached.req_id, cached.num_computed_tokens,
+                                                cached.resumed_from_preemption)
 
-    def _plan_batch(self, so: SchedulerOutput) -> _Batch:
-        decodes = [rid for rid, n in so.num_scheduled_tokens.items() if n == 1]
-        prefills = [rid for rid, n in so.num_scheduled_tokens.items() if n != 1]
+    def _propose_drafts(self, so: SchedulerOutput) -> dict[str, list[int]]:
+        """Draft tokens for this step's speculating requests (the draft model also catches up over
+        every scheduled request's tokens, so its cache stays in step with the target's)."""
+        if self.speculator is None or (not so.num_spec_tokens and self.speculator.draft is None):
+            return {}
+        scheduled = []
+        for rid, n in so.num_scheduled_tokens.items():
+            state = self.requests[rid]
+            k = so.num_spec_tokens.get(rid, 0)
+            end = state.num_computed_tokens + (1 if rid in so.num_spec_tokens else n)
+            scheduled.append((rid, state.token_ids, end, state.block_ids, k))
+        return self.speculator.propose(scheduled)
+
+    def _plan_batch(self, so: SchedulerOutput, drafts: dict[str, list[int]]) -> _Batch:
+        # A speculating request computes its last token and the drafts it got (maybe fewer than allowed).
+        lens = {
+            rid: 1 + len(drafts.get(rid, ())) if rid in so.num_spec_tokens else n
+            for rid, n in so.num_scheduled_tokens.items()
+        }
+        decodes = [rid for rid, n in lens.items() if n == 1]
+        prefills = [rid for rid, n in lens.items() if n != 1]
         req_ids = decodes + prefills
-        query_lens = [so.num_scheduled_tokens[rid] for rid in req_ids]
+        query_lens = [lens[rid] for rid in req_ids]
         start_positions = [self.requests[rid].num_computed_tokens for rid in req_ids]
-        sample_rows: list[int] = []
-        sample_req_ids: list[str] = []
+        batch = _Batch(req_ids, query_lens, start_positions, [], [], drafts)
         offset = 0
         for rid, q, start in zip(req_ids, query_lens, start_positions):
             offset += q
-            if start + q == len(self.requests[rid].token_ids):
-                sample_rows.append(offset - 1)
-                sample_req_ids.append(rid)
-        return _Batch(req_ids, query_lens, start_positions, sample_rows, sample_req_ids)
+            if rid in so.num_spec_tokens:
+                batch.spec_rows.extend(range(offset - q, offset))
+                batch.spec_req_ids.append(rid)
+            elif start + q == len(self.requests[rid].token_ids):
+                batch.sample_rows.append(offset - 1)
+                batch.sample_req_ids.append(rid)
+        return batch
 
     def _prepare_inputs(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        num_seqs = len(batch.req_ids)
-        q = np.asarray(batch.query_lens, dtype=np.int64)
-        starts = np.asarray(batch.start_positions, dtype=np.int64)
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q, out=cu[1:])
-        num_tokens = int(cu[-1])
-        seq_index = np.repeat(np.arange(num_seqs), q)
-        positions = np.arange(num_tokens, dtype=np.int64) - cu[:-1][seq_index] + starts[seq_index]
-
-        input_ids: list[int] = []
-        states = [self.requests[rid] for rid in batch.req_ids]
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, (state, start, ql) in enumerate(zip(states, batch.start_positions, batch.query_lens)):
-            input_ids.extend(state.token_ids[start : start + ql])
-            block_table[i, : len(state.block_ids)] = state.block_ids
-        slot_mapping = (
-            block_table[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
-        )
-        seq_lens = starts + q
-        # Decodes (query length 1) come first, so their count is also their token count.
-        num_decodes = sum(1 for ql in batch.query_lens if ql == 1)
-
-        dev = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_table).to(dev),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            max_query_len=int(q.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=cu.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        return ids, torch.from_numpy(positions).to(dev), metadata
+        chunks, tables = [], []
+        for rid, start, ql in zip(batch.req_ids, batch.start_positions, batch.query_lens):
+            state = self.requests[rid]
+            chunk = state.token_ids[start : start + ql]
+            if rid in batch.drafts:
+                chunk = chunk + batch.drafts[rid]
+            chunks.append(chunk)
+            tables.append(state.block_ids)
+        return build_flat_inputs(chunks, batch.start_positions, tables, self.block_size, self.device)
 
     # ------------------------------------------------------------------ the step
 
@@ -255,7 +267,7 @@ class ModelRunner:
             self.kv_hooks.start_load_kv(kv_md)  # releases go out now; loads run beside the forward pass
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}) if self.is_driver else None
-        batch = self._plan_batch(so)
+        batch = self._plan_batch(so, self._propose_drafts(so))
         input_ids, positions, metadata = self._prepare_inputs(batch)
 
         if self.fault_injector is not None:
@@ -298,11 +310,33 @@ class ModelRunner:
                     output.sampled_token_ids[rid] = sampled.token_ids[row]
                     if sampled.logprobs[row] is not None:
                         output.logprobs[rid] = sampled.logprobs[row]
+        if batch.spec_rows:
+            self._verify_drafts(batch, hidden, output)
         for rid in output.failed:
             output.prompt_logprobs.pop(rid, None)
         if self.is_driver:  # (only the driver reports; on CUDA reading the timer waits for the device)
             output.model_seconds = timer.seconds()
         return output if self.is_driver else None
+
+    def _verify_drafts(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Rejection-sample the speculating requests' positions: accepted drafts + one target token each."""
+        logits = self.model.compute_logits(hidden[batch.spec_rows])
+        if not self.is_driver:
+            return
+        states = [self.requests[rid].sampling for rid in batch.spec_req_ids]
+        try:
+            results = self.speculator.verify(
+                logits, [batch.drafts.get(rid, []) for rid in batch.spec_req_ids], [s.params for s in states],
+                [s.generator_for(logits.device) for s in states],
+            )
+        except Exception as exc:  # no single request to blame: every speculating request of the step fails
+            for rid in batch.spec_req_ids:
+                output.failed[rid] = describe_failure(exc)
+            return
+        for rid, result in zip(batch.spec_req_ids, results):
+            output.sampled_token_ids[rid] = result.next_token_id
+            output.spec_token_ids[rid] = list(result.accepted_token_ids)
+            output.num_draft_tokens[rid] = len(batch.drafts.get(rid, ()))
 
     def _finish_kv_loads(self, kv_md, output: ModelRunnerOutput | None = None) -> None:
         """Agree over every rank on which loads failed (any rank failing fails the request) and sum the bytes."""
