@@ -1,11 +1,20 @@
 """Triton paged decode attention with split-K.
 
 Grid (num_seqs, num_kv_heads, num_partitions): a program takes one KV head with all the
-query heads that share it (GQA: one [G, D] query tile, so each K/V block is loaded once
-per group) over one partition of the context, walking the block table one cache block
-at a time with an online softmax (kernels.triton.paged_blocks). With more than one partition, each writes its
-(max, sum, acc) and a reduction kernel merges them; with one, the result is stored
-directly.
+query heads that share it (GQA: one [G, D] query tile, so each K/V tile is loaded once
+per group) over one partition of the context, walking the block table TILE_BLOCKS cache
+blocks (>= 64 tokens) per iteration with an online softmax (kernels.triton.paged_blocks).
+With more than one partition, each writes its (max, sum, acc) and a reduction kernel
+merges the partitions that hold keys; with one, the result is stored directly.
+
+Graph-safe contract (CUDA graphs capture decode steps, engine/worker/cuda_graphs.py): the
+grids, every constexpr and every host-side branch depend only on num_seqs, the head counts,
+head_size, block_size, partition_size and block_tables' width (shape[1]). Context lengths
+are read from seq_lens on the device, inside the kernels: they set each program's loop
+bounds and which partitions the reduction reads. A captured launch therefore replays
+correctly with new seq_lens / block_tables contents of the same shapes. seq_lens_cpu is
+accepted for the entry point's checks but never used here (no max_seq_len on the host
+decides the grid or a loop count); a partition past a sequence's end runs no iteration.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.triton._utils import dot_precision, interpreting
-from pagedserve.kernels.triton.paged_blocks import attend_paged_blocks
+from pagedserve.kernels.triton.paged_blocks import attend_paged_blocks, tile_blocks
 
 DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition (a multiple of the block size)
 
@@ -33,7 +42,7 @@ def _decode_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     scale, sliding_window, group, head_size, num_partitions,
     stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_os, stride_oh,
-    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION_BLOCKS: tl.constexpr, USE_PARTITIONS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -61,7 +70,7 @@ def _decode_kernel(
         q, q_pos, seq_len, first_blk, end_blk, sliding_window,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head, d, d_mask, scale,
         stride_cb, stride_cs, stride_ch,
-        BLOCK_G, BLOCK_SIZE, BLOCK_D, HAS_WINDOW, INTERPRET, DOT_PRECISION,
+        BLOCK_G, BLOCK_SIZE, TILE_BLOCKS, BLOCK_D, HAS_WINDOW, INTERPRET, DOT_PRECISION,
     )
 
     if USE_PARTITIONS:
@@ -77,9 +86,9 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=REDUCE_PER_STEP_ARGS)
 def _decode_reduce_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, seq_lens_ptr,
     group, head_size, num_partitions, stride_os, stride_oh,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    PARTITION_TOKENS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # query head
@@ -87,7 +96,8 @@ def _decode_reduce_kernel(
     row = (seq * (tl.num_programs(1) // group) + kv_head) * BLOCK_G + head % group  # the split kernel's row
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
-    p_mask = p < num_partitions
+    # Only the partitions that hold keys (read from seq_lens on the device; later ones are empty).
+    p_mask = p < tl.minimum(num_partitions, tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION_TOKENS))
     m = tl.load(part_m_ptr + row * num_partitions + p, mask=p_mask, other=float("-inf"))
     l = tl.load(part_l_ptr + row * num_partitions + p, mask=p_mask, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -122,11 +132,8 @@ def paged_decode_attention_triton(
     if partition_size % block_size:
         raise ValueError(f"partition_size {partition_size} must be a multiple of block_size {block_size}")
     partition_blocks = partition_size // block_size
-    # The block table width bounds every context without a device sync.
-    max_blocks = block_tables.shape[1]
-    if seq_lens_cpu is not None:
-        max_blocks = min(max_blocks, -(-max(seq_lens_cpu) // block_size))
-    num_partitions = max(1, triton.cdiv(max_blocks, partition_blocks))
+    # Graph-safe: the block table's width bounds every context (no device sync, no host lengths).
+    num_partitions = max(1, triton.cdiv(block_tables.shape[1], partition_blocks))
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16 on GPU
     block_d = max(16, triton.next_power_of_2(head_size))
     use_partitions = num_partitions > 1
@@ -143,13 +150,14 @@ def paged_decode_attention_triton(
         scale, sliding_window or 0, group, head_size, num_partitions,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, TILE_BLOCKS=tile_blocks(block_size), BLOCK_G=block_g, BLOCK_D=block_d,
         PARTITION_BLOCKS=partition_blocks, USE_PARTITIONS=use_partitions,
         HAS_WINDOW=sliding_window is not None, INTERPRET=interpreting(), DOT_PRECISION=dot_precision(query.dtype),
     )
     if use_partitions:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_m, part_l, part_acc, out, group, head_size, num_partitions, out.stride(0), out.stride(1),
-            BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(num_partitions),
+            part_m, part_l, part_acc, out, seq_lens, group, head_size, num_partitions, out.stride(0),
+            out.stride(1), PARTITION_TOKENS=partition_size, BLOCK_G=block_g, BLOCK_D=block_d,
+            BLOCK_P=triton.next_power_of_2(num_partitions),
         )
     return out

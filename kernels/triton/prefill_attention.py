@@ -62,7 +62,7 @@ def _prefill_kernel(
             q, q_pos, seq_len, first_blk, end_blk, sliding_window,
             k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head, d, d_mask, scale,
             stride_cb, stride_cs, stride_ch,
-            BLOCK_M, BLOCK_SIZE, BLOCK_D, HAS_WINDOW, INTERPRET, DOT_PRECISION,
+            BLOCK_M, BLOCK_SIZE, 1, BLOCK_D, HAS_WINDOW, INTERPRET, DOT_PRECISION,
         )
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],

@@ -53,13 +53,14 @@ def main() -> None:
     for dtype, precision, window, parts, head in cases:
         block_d = triton.next_power_of_2(head)
         compile_kernel(_decode_kernel, attention_pointers(dtype), {"scale"}, dict(
-            BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=block_d, PARTITION_BLOCKS=32, USE_PARTITIONS=parts,
+            BLOCK_SIZE=16, TILE_BLOCKS=4, BLOCK_G=16, BLOCK_D=block_d, PARTITION_BLOCKS=32, USE_PARTITIONS=parts,
             HAS_WINDOW=window, INTERPRET=False, DOT_PRECISION=precision))
         compile_kernel(_prefill_kernel, attention_pointers(dtype), {"scale"}, dict(
             BLOCK_M=32, BLOCK_SIZE=32, BLOCK_D=block_d, HAS_WINDOW=window, INTERPRET=False,
             DOT_PRECISION=precision))
     compile_kernel(_decode_reduce_kernel, {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-                                           "out_ptr": "*bf16"}, set(), dict(BLOCK_G=16, BLOCK_D=128, BLOCK_P=4))
+                                           "out_ptr": "*bf16", "seq_lens_ptr": "*i32"}, set(),
+                   dict(PARTITION_TOKENS=512, BLOCK_G=16, BLOCK_D=128, BLOCK_P=4))
     compile_kernel(_reshape_and_cache_kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
                                                "value_cache_ptr": "*bf16", "slot_ptr": "*i64"},
                    set(), dict(BLOCK_H=8, BLOCK_D=128))

@@ -45,24 +45,30 @@ def test_reshape_and_cache_triton_matches_twin(key_dtype):
     assert int((key_cache != 0).any(-1).any(-1).sum()) == 5
 
 
-DECODE_CASES = [  # (num_heads, num_kv_heads, head_size, block_size)
+DECODE_CASES = [  # (num_heads, num_kv_heads, head_size, block_size): GQA ratios 1, 2, 4, 8
     (4, 4, 64, 16),
+    (8, 4, 128, 32),
     (8, 2, 80, 32),
     (4, 1, 96, 16),
-    (4, 2, 128, 32),
+    (16, 2, 64, 16),
 ]
+
+
+def decode_lens(block_size: int) -> list[int]:
+    """One token, a block short of full, exactly one block, many blocks (several 64-token tiles)."""
+    return [1, block_size - 1, block_size, 5 * block_size + 3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size,block_size", DECODE_CASES)
 def test_decode_triton_matches_twin_and_naive(dtype, num_heads, num_kv_heads, head_size, block_size):
-    seq_lens = [1, 37, 70]
+    seq_lens = decode_lens(block_size)
     batch = make_paged_batch(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=11)
     query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_size ** -0.5
     args = (query, batch.key_cache, batch.value_cache, batch.block_tables, lens, scale)
-    out = paged_decode_attention_triton(*args, partition_size=4 * block_size)  # split-K with a reduction
+    out = paged_decode_attention_triton(*args, partition_size=2 * block_size)  # split-K, partial tiles
     single = paged_decode_attention_triton(*args)  # one partition, direct store
     twin = paged_decode_attention_torch(*args)
     ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), scale)
@@ -70,6 +76,26 @@ def test_decode_triton_matches_twin_and_naive(dtype, num_heads, num_kv_heads, he
         assert result.dtype == dtype
         torch.testing.assert_close(result.double(), ref, **tolerance(dtype))
         torch.testing.assert_close(result.float(), twin.float(), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("partition_size", [64, 512])
+def test_decode_triton_is_graph_safe(partition_size):
+    """A captured launch replays with the capture's host values: the same shapes (block-table width) but
+    new seq_lens and block_tables contents, and stale seq_lens_cpu. Only the device tensors may matter."""
+    width, block_size = 16, 16  # a 256-token table, wider than any context: trailing partitions are empty
+    results = []
+    for seed, seq_lens in ((1, [3, 150, 16]), (2, [191, 1, 40])):
+        batch = make_paged_batch(seq_lens, 2, 64, block_size, torch.float32, seed=seed)
+        tables = torch.zeros(3, width, dtype=torch.int32)
+        tables[:, : batch.block_tables.shape[1]] = batch.block_tables
+        query = torch.randn(3, 4, 64)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        out = paged_decode_attention_triton(query, batch.key_cache, batch.value_cache, tables, lens, 0.125,
+                                            seq_lens_cpu=[1, 1, 1], partition_size=partition_size)
+        ref = naive_paged_attention(query, batch, [0, 1, 2, 3], 0.125)
+        torch.testing.assert_close(out.double(), ref, **tolerance(torch.float32))
+        results.append(out)
+    assert not torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
