@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.worker.cuda_graphs import CUDAGraphRunner
 from pagedserve.engine.worker.flat_batch import build_flat_inputs
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.models.loader import load_model, resolve_dtype
@@ -103,6 +104,7 @@ class ModelRunner:
         self.kv_caches: KVCaches = []
         self.kv_hooks = None  # worker half of a KV connector (kv_transfer.base.KVConnectorWorker)
         self.speculator = None  # speculative decoding (worker.speculator.Speculator), made with the model
+        self.graphs: CUDAGraphRunner | None = None  # decode-only CUDA graphs (off on CPU / enforce_eager)
 
     # ------------------------------------------------------------------ setup
 
@@ -139,6 +141,7 @@ class ModelRunner:
             self.kv_hooks = make_worker_connector(self.config.kv_transfer_config, self.kv_layout(), self.parallel.rank, self.device)
         if self.kv_hooks is not None:
             self.kv_hooks.register_kv_caches(self.kv_caches)
+        self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.config, self.device)
 
     def kv_layout(self):
         """This engine's KV layout (kv_transfer.layout.KVLayout): what a KV connector moves."""
@@ -157,6 +160,13 @@ class ModelRunner:
         from pagedserve.engine.worker.warmup import warm_up_kernels
 
         warm_up_kernels(self)
+        if self.graphs is not None:
+            try:
+                self.graphs.capture()
+            except Exception:  # a model path that cannot be captured serves eagerly rather than not at all
+                logger.warning("CUDA graph capture failed; decoding eagerly (pass enforce_eager to skip it)",
+                               exc_info=True)
+                self.graphs = None
 
     def _zeros_kv(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -277,14 +287,19 @@ class ModelRunner:
         intermediate = None
         if not self.is_first_stage:
             intermediate = IntermediateTensors(**pp_recv_tensors(self.parallel, device=self.device))
-        hidden = self.model.forward(
-            input_ids if self.is_first_stage else None,
-            positions,
-            self.kv_caches,
-            metadata,
-            intermediate=intermediate,
-            kv_hooks=self.kv_hooks,
-        )
+        if self.graphs is not None and self.graphs.can_run(
+            positions.shape[0], metadata, has_intermediate=intermediate is not None, has_kv_hooks=self.kv_hooks is not None
+        ):
+            hidden = self.graphs.run(input_ids, positions, metadata)
+        else:
+            hidden = self.model.forward(
+                input_ids if self.is_first_stage else None,
+                positions,
+                self.kv_caches,
+                metadata,
+                intermediate=intermediate,
+                kv_hooks=self.kv_hooks,
+            )
         for rid, ql in zip(batch.req_ids, batch.query_lens):
             self.requests[rid].num_computed_tokens += ql
         if not self.is_last_stage:
