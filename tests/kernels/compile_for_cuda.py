@@ -56,7 +56,7 @@ def main() -> None:
             BLOCK_SIZE=16, TILE_BLOCKS=4, BLOCK_G=16, BLOCK_D=block_d, PARTITION_BLOCKS=32, USE_PARTITIONS=parts,
             HAS_WINDOW=window, INTERPRET=False, DOT_PRECISION=precision))
         compile_kernel(_prefill_kernel, attention_pointers(dtype), {"scale"}, dict(
-            BLOCK_M=32, BLOCK_SIZE=32, BLOCK_D=block_d, HAS_WINDOW=window, INTERPRET=False,
+            BLOCK_M=16, BLOCK_G=4, BLOCK_SIZE=32, TILE_BLOCKS=2, BLOCK_D=block_d, HAS_WINDOW=window, INTERPRET=False,
             DOT_PRECISION=precision))
     compile_kernel(_decode_reduce_kernel, {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
                                            "out_ptr": "*bf16", "seq_lens_ptr": "*i32"}, set(),

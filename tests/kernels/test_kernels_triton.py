@@ -133,6 +133,35 @@ def test_prefill_triton_matches_twin_and_naive(dtype, sliding_window):
         torch.testing.assert_close(shifted, out, atol=0, rtol=0)
 
 
+PREFILL_CASES = [  # (num_heads, num_kv_heads, head_size, block_size): GQA ratios 1, 2, 3, 4, 8
+    (2, 2, 64, 16),
+    (4, 2, 128, 32),
+    (6, 2, 80, 16),
+    (8, 2, 64, 32),
+    (8, 1, 64, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,block_size", PREFILL_CASES)
+def test_prefill_triton_grouped_heads(dtype, num_heads, num_kv_heads, head_size, block_size):
+    """Default query tiles (64 rows of tokens x grouped heads) over one-token, block-1, one-block and
+    many-block contexts, with and without a cached prefix, mixed in one batch."""
+    bs = block_size
+    seq_lens, q_lens = [1, bs - 1, bs, 4 * bs + 5, 3 * bs + 2], [1, bs - 1, 3, 4 * bs + 5, bs + 1]
+    batch = make_paged_batch(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=14)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    query = torch.randn(starts[-1], num_heads, head_size).to(dtype)
+    qsl, lens = torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+    args = (query, batch.key_cache, batch.value_cache, batch.block_tables, qsl, lens, head_size ** -0.5)
+    out = paged_prefill_attention_triton(*args)
+    ref = naive_paged_attention(query, batch, starts, head_size ** -0.5)
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
+    torch.testing.assert_close(out.float(), paged_prefill_attention_torch(*args).float(), **tolerance(dtype))
+
+
 def close_tol(dtype: torch.dtype) -> dict[str, float]:
     # fp32: same math, maybe another summation order. Low precision: the interpreter's casts to bf16/fp16
     # do not round like torch's, so allow dtype-level differences.
