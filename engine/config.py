@@ -126,6 +126,9 @@ class EngineConfig(BaseModel):
     # Speculative decoding, vLLM's shape: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     # (a dict, or its JSON text as the CLI passes it); see engine/spec_decode/config.py.
     speculative_config: dict[str, Any] | None = None
+    # vLLM's name: schedule step N+1 while step N runs (the sampled token feeds the next step on the worker);
+    # the in-process executor only (engine/core/scheduler_async.py).
+    async_scheduling: bool = False
 
     # Resolved from the HF config by `resolve()`; not user input.
     hf_config: Any = Field(default=None, exclude=True)
@@ -190,6 +193,17 @@ class EngineConfig(BaseModel):
                 "distributed_executor_backend: 'uni' runs one worker; tensor_parallel_size * "
                 "pipeline_parallel_size > 1 needs 'ray'"
             )
+        if self.async_scheduling:
+            if self.executor_backend != "uni":
+                raise ValueError("async_scheduling: needs the in-process executor (tensor_parallel_size = "
+                                 "pipeline_parallel_size = 1, backend 'uni'): the step scheduled ahead takes its "
+                                 "input from the sampling rank's last token, kept on that rank")
+            if self.speculative_config is not None:
+                raise ValueError("async_scheduling: cannot run with speculative_config (the next step's input "
+                                 "depends on how many drafts the host verifies)")
+            if self.kv_transfer_config is not None:
+                raise ValueError("async_scheduling: cannot run with kv_transfer_config (KV loads and holds are "
+                                 "tracked per finished step)")
         return self
 
     @property
