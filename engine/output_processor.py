@@ -1,7 +1,14 @@
 """Turns the engine core's per-step token outputs into user-facing `RequestOutput`s.
 
-Owns incremental detokenization, stop strings, logprob bookkeeping, and the
-fan-in of `n > 1` child requests into one output with n completions.
+Owns detokenization, stop strings, logprob bookkeeping, and the fan-in of `n > 1` child
+requests into one output with n completions.
+
+Work is done only for outputs someone reads this step. A request whose output nobody reads
+before it finishes (FINAL_ONLY) and that has no stop strings is not detokenized while it runs:
+its text is decoded once when it finishes, batched with the other requests finishing in the
+same step. Streams (DELTA, CUMULATIVE) and requests with stop strings are detokenized
+incrementally. Logprob entries stay raw (ids, floats) until an output carries them; then the
+step's entries are decoded in one batched call (cached per token id).
 """
 
 from __future__ import annotations
@@ -10,9 +17,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, detokenize_finished
 from pagedserve.engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+
+# One position's raw logprob entries from the engine core: (token_id, logprob, rank), sampled token first.
+RawLogprobs = list[tuple[int, float, int]]
 
 
 class OutputKind(enum.Enum):
@@ -21,8 +31,7 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request is done (LLM.generate)
 
 
-def _logprob_entry(tokenizer, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
-    return {tid: Logprob(lp, rank, tokenizer.decode([tid])) for tid, lp, rank in entries}
+RequestOutputKind = OutputKind  # vLLM's name
 
 
 @dataclass
@@ -45,23 +54,39 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     output_kind: OutputKind
-    detokenizer: IncrementalDetokenizer
+    # None when the text is decoded once at the end (see the module docstring) or not at all.
+    detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Entries not yet turned into Logprob dicts (no output has carried them yet).
+    raw_logprobs: list[RawLogprobs] = field(default_factory=list)
+    raw_prompt_logprobs: list[RawLogprobs | None] = field(default_factory=list)
+    final_text: str = ""  # the text of a request detokenized at the end
     num_tokens_returned: int = 0
     num_logprobs_returned: int = 0
     prompt_logprobs_returned: bool = False
     error: str | None = None  # the engine failed this request (finish_reason "error")
     kv_transfer_params: dict | None = None  # a prefill producer's hand-off to its decode reader
 
+    @property
+    def detokenized_at_end(self) -> bool:
+        return self.detokenizer is None and self.params.detokenize
+
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self._info: TokenizerInfo | None = None  # built on first use (a detokenize=False engine never needs it)
+
+    @property
+    def info(self) -> TokenizerInfo:
+        if self._info is None:
+            self._info = TokenizerInfo(self.tokenizer)
+        return self._info
 
     def add_request(
         self,
@@ -79,6 +104,10 @@ class OutputProcessor:
         already has: they count and shape the text (stop strings, detokenization) but DELTA outputs start
         after them (and carry no logprobs for them)."""
         want_logprobs = params.logprobs is not None
+        incremental = params.detokenize and (output_kind != OutputKind.FINAL_ONLY or bool(params.stop))
+        detokenizer = None
+        if incremental:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self.info)
         state = self.states[request_id] = RequestState(
             request_id=request_id,
             index=index,
@@ -87,7 +116,7 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             params=params,
             output_kind=output_kind,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            detokenizer=detokenizer,
             metrics=RequestMetrics(arrival_time=arrival_time),
             logprobs=[] if want_logprobs else None,
             cumulative_logprob=0.0 if want_logprobs else None,
@@ -96,9 +125,9 @@ class OutputProcessor:
         if prefilled_output_ids:
             state.token_ids = list(prefilled_output_ids)
             state.num_tokens_returned = len(state.token_ids)
-            if params.detokenize:
-                state.detokenizer.update(state.token_ids)
-                state.detokenizer.get_next_output_text(finished=False, delta=True)  # already streamed
+            if detokenizer is not None:
+                detokenizer.update(state.token_ids)
+                detokenizer.get_next_output_text(finished=False, delta=True)  # already streamed
 
     def abort_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -109,8 +138,8 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to hand out and the engine request ids stopped by a stop string
         (the engine core must finish those: it does not see text)."""
-        request_outputs: list[RequestOutput] = []
         stopped_by_string: list[str] = []
+        to_report: list[tuple[RequestState, str | None, int | str | None]] = []
         now = time.time()
         for out in outputs:
             state = self.states.get(out.request_id)
@@ -123,32 +152,82 @@ class OutputProcessor:
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-                state.prompt_logprobs.extend(
-                    None if e is None else _logprob_entry(self.tokenizer, e) for e in out.new_prompt_logprobs
-                )
+                state.raw_prompt_logprobs.extend(out.new_prompt_logprobs)
             if out.new_token_ids:
-                state.token_ids.extend(out.new_token_ids)
-                if out.new_logprobs is not None and state.logprobs is not None:
-                    for entries in out.new_logprobs:
-                        state.logprobs.append(_logprob_entry(self.tokenizer, entries))
-                        state.cumulative_logprob += entries[0][1]
-                if state.params.detokenize:
-                    stop_str = state.detokenizer.update(out.new_token_ids)
-                    if stop_str is not None:
-                        if finish_reason is None:
-                            # The engine emits one token per step, so that token completed the stop string.
-                            stopped_by_string.append(state.request_id)
-                        # The text ends at the stop string even if the engine also hit a limit on this token.
-                        finish_reason, stop_reason = "stop", stop_str
-            if not out.new_token_ids and finish_reason is None:
+                stop_str = self._append_tokens(state, out)
+                if stop_str is not None:
+                    if finish_reason is None:  # the engine core does not see text: it must be told
+                        stopped_by_string.append(state.request_id)
+                    # The text ends at the stop string even if the engine also hit a limit on that token.
+                    finish_reason, stop_reason = "stop", stop_str
+            elif finish_reason is None:
                 continue  # a prefill chunk that only carried prompt logprobs
-            request_output = self._make_output(state, finish_reason, stop_reason)
             if finish_reason is not None:
                 state.metrics.finished_time = now
                 del self.states[state.request_id]
+            elif state.output_kind == OutputKind.FINAL_ONLY:
+                continue  # nobody reads this request before it finishes
+            to_report.append((state, finish_reason, stop_reason))
+        self._materialize(to_report)
+        request_outputs: list[RequestOutput] = []
+        for state, finish_reason, stop_reason in to_report:
+            request_output = self._make_output(state, finish_reason, stop_reason)
             if request_output is not None:
                 request_outputs.append(request_output)
         return request_outputs, stopped_by_string
+
+    def _append_tokens(self, state: RequestState, out: EngineCoreOutput) -> str | None:
+        """Take a step's new tokens (one, or several at once: speculative decoding, a continued
+        request) and their logprobs. A stop string completed by one of them ends the output at that
+        token, as if the tokens had come one per step: the later ones are dropped. Returns the stop
+        string, if one matched."""
+        new_ids = out.new_token_ids
+        stop_str = None
+        if state.detokenizer is not None:
+            before = state.detokenizer.num_output_tokens
+            stop_str = state.detokenizer.update(new_ids)
+            if stop_str is not None:
+                new_ids = new_ids[: state.detokenizer.num_output_tokens - before]
+        state.token_ids.extend(new_ids)
+        if out.new_logprobs is not None and state.logprobs is not None:
+            entries = out.new_logprobs[: len(new_ids)]
+            state.raw_logprobs.extend(entries)
+            cumulative = state.cumulative_logprob
+            for position in entries:  # added one by one: the same float as one token per step
+                cumulative += position[0][1]
+            state.cumulative_logprob = cumulative
+        return stop_str
+
+    def _materialize(self, to_report: list[tuple[RequestState, str | None, int | str | None]]) -> None:
+        """Give the states about to report what their outputs carry: the final text of requests
+        detokenized at the end (one batched decode), and Logprob dicts for the raw entries (their
+        tokens decoded in one batched call)."""
+        finishing = [state for state, finish_reason, _ in to_report
+                     if finish_reason is not None and state.detokenized_at_end]
+        if finishing:
+            texts = detokenize_finished(self.info, [(s.prompt_token_ids, s.token_ids, s.params) for s in finishing])
+            for state, text in zip(finishing, texts):
+                state.final_text = text
+        with_logprobs = [state for state, _, _ in to_report if state.raw_logprobs or state.raw_prompt_logprobs]
+        if not with_logprobs:
+            return
+        token_ids = [tid for state in with_logprobs
+                     for position in (*state.raw_prompt_logprobs, *state.raw_logprobs) if position is not None
+                     for tid, _, _ in position]
+        texts = iter(self.info.token_texts(token_ids))
+        for state in with_logprobs:
+            if state.raw_prompt_logprobs:
+                state.prompt_logprobs.extend(
+                    None if position is None else {tid: Logprob(lp, rank, next(texts)) for tid, lp, rank in position}
+                    for position in state.raw_prompt_logprobs
+                )
+                state.raw_prompt_logprobs = []
+            if state.raw_logprobs:
+                state.logprobs.extend(
+                    {tid: Logprob(lp, rank, next(texts)) for tid, lp, rank in position}
+                    for position in state.raw_logprobs
+                )
+                state.raw_logprobs = []
 
     def _record_metrics(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
         m = state.metrics
@@ -163,7 +242,10 @@ class OutputProcessor:
 
     def _completion(self, state: RequestState, finish_reason: str | None, stop_reason, delta: bool) -> CompletionOutput:
         finished = finish_reason is not None
-        text = state.detokenizer.get_next_output_text(finished, delta) if state.params.detokenize else ""
+        if state.detokenizer is not None:
+            text = state.detokenizer.get_next_output_text(finished, delta)
+        else:
+            text = state.final_text  # "" with detokenize=False
         if delta:
             token_ids = state.token_ids[state.num_tokens_returned :]
             logprobs = None if state.logprobs is None else state.logprobs[state.num_logprobs_returned :]
@@ -181,7 +263,6 @@ class OutputProcessor:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
         )
-
     def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason) -> RequestOutput | None:
         finished = finish_reason is not None
         kind = state.output_kind
