@@ -118,7 +118,8 @@ def _row_thresholds(
     if small:
         rows = torch.tensor(small, dtype=torch.int64, device=device)
         num = max(need_host[r] for r in small)
-        cand = torch.topk(logits.index_select(0, rows), num, dim=-1, sorted=True).values
+        source = logits if len(small) == batch else logits.index_select(0, rows)  # no copy when all rows
+        cand = torch.topk(source, num, dim=-1, sorted=True).values
         kth = cand.gather(1, k[rows].unsqueeze(1) - 1)
         threshold = kth
         if any(p_on_host[r] for r in small):
@@ -131,7 +132,7 @@ def _row_thresholds(
         thr.index_copy_(0, rows, threshold.reshape(-1))
     if full:
         rows = torch.tensor(full, dtype=torch.int64, device=device)
-        cand = logits.index_select(0, rows).sort(dim=-1, descending=True).values
+        cand = (logits if len(full) == batch else logits.index_select(0, rows)).sort(dim=-1, descending=True).values
         k_full = torch.where(k_on[rows], k[rows], vocab).unsqueeze(1)
         kth = cand.gather(1, k_full - 1)
         threshold = torch.maximum(kth, _top_p_threshold(cand, kth, p[rows].unsqueeze(1), None))
