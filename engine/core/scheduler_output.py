@@ -34,6 +34,9 @@ class CachedRequestData:
     num_computed_tokens: int
     # After a preemption the request's blocks were all freed: new_block_ids replaces the table.
     resumed_from_preemption: bool = False
+    # Async scheduling (0 or 1): the step before this one is still running and will sample this request's
+    # next input token; the worker appends the token it sampled itself (the scheduler does not know it yet).
+    num_placeholder_tokens: int = 0
 
 
 @dataclass

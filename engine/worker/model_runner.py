@@ -42,6 +42,8 @@ class RunnerRequestState:
     num_computed_tokens: int
     sampling: SamplingState
     prompt_logprobs: int | None
+    # Async scheduling: the token this runner sampled last, the input of a step scheduled before it landed.
+    last_sampled_token_id: int | None = None
 
 
 class _ModelTimer:
@@ -210,6 +212,10 @@ class ModelRunner:
             if cached.new_token_ids:
                 state.token_ids.extend(cached.new_token_ids)
                 state.sampling.output_token_ids.extend(cached.new_token_ids)
+            if cached.num_placeholder_tokens:  # (None if that sample failed: the request ends, this step is dropped)
+                token = 0 if state.last_sampled_token_id is None else state.last_sampled_token_id
+                state.token_ids.append(token)
+                state.sampling.output_token_ids.append(token)
             if cached.resumed_from_preemption:
                 state.block_ids = list(cached.new_block_ids)
             else:
@@ -323,6 +329,7 @@ class ModelRunner:
                         output.failed[rid] = sampled.errors[row]
                         continue
                     output.sampled_token_ids[rid] = sampled.token_ids[row]
+                    self.requests[rid].last_sampled_token_id = sampled.token_ids[row]
                     if sampled.logprobs[row] is not None:
                         output.logprobs[rid] = sampled.logprobs[row]
         if batch.spec_rows:
