@@ -50,6 +50,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
                         help="decode batch sizes to capture CUDA graphs for (default 1 2 4 8 16 24 ... "
                              "up to --max-num-seqs)")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                             '"model": PATH, "num_speculative_tokens": 3}\'')
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
     parser.add_argument("--max-logprobs", type=int, help="most logprobs a request may ask for (default 20)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
@@ -134,6 +138,8 @@ def serve_args_from(ns: argparse.Namespace) -> ServeArgs:
             named = error["msg"].removeprefix("Value error, ").partition(":")[0]
             if field is None and named in ServeArgs.model_fields:  # a model-level check names its field first
                 field, error["msg"] = named, error["msg"].removeprefix("Value error, ")[len(named) + 1:].strip()
+            elif field is None and named.partition(".")[0] in ServeArgs.model_fields:  # "speculative_config.model"
+                field = named.partition(".")[0]
             name = "MODEL" if field == "model" else (_flag(field) if field else "arguments")
             lines.append(f"{name}: {error['msg'].removeprefix('Value error, ')}")
         print(f"pagedserve {ns.command}: error: " + "; ".join(lines), file=sys.stderr)

@@ -39,6 +39,7 @@ from pagedserve.cluster.abort_batcher import AbortBatcher
 from pagedserve.cluster.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.cluster.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.cluster.spec_stats import sum_spec
 from pagedserve.engine.core.block_pool import BlockHash
 from pagedserve.engine.outputs import RequestOutput
 
@@ -64,6 +65,9 @@ class EngineState:
     stats: dict | None = None  # latest get_stats() answer (None before the first poll)
     counter_base: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_KEYS, 0))
     last_counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_KEYS, 0))
+    # Speculative-decoding counters (SchedulerStats.spec_decoding): earlier incarnations' and the latest.
+    spec_base: dict | None = None
+    spec_last: dict | None = None
 
     @property
     def healthy(self) -> bool:
@@ -277,6 +281,9 @@ class DPCoordinator:
             if restarted:
                 state.counter_base[key] += state.last_counters[key]
             state.last_counters[key] = int(stats.get(key, 0))
+        if restarted and state.spec_last:
+            state.spec_base = sum_spec([state.spec_base, state.spec_last])
+        state.spec_last = stats.get("spec_decoding") or None
         state.stats = stats
 
     def aggregate_stats(self) -> dict:
@@ -291,6 +298,9 @@ class DPCoordinator:
         out["num_healthy_engines"] = sum(e.healthy for e in self.engines)
         out["num_in_flight"] = sum(e.in_flight for e in self.engines)
         out["num_requests_routed"] = [e.num_routed for e in self.engines]
+        spec = sum_spec(part for e in self.engines for part in (e.spec_base, e.spec_last))
+        if spec is not None:
+            out["spec_decoding"] = spec
         out["engines"] = [
             {
                 **(e.stats or {"engine_index": e.index}),

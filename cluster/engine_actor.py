@@ -213,6 +213,7 @@ class EngineActor:
         out["stats_time"] = now  # orders answers of one incarnation (concurrent polls may arrive out of order)
         out["num_stream_outputs"] = self._num_stream_outputs
         out["kv_transfer"] = dict(stats.scheduler.kv_transfer or {})
+        out["spec_decoding"] = dict(stats.scheduler.spec_decoding or {})
         return out
 
     async def check_health(self) -> None:

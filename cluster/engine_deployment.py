@@ -37,7 +37,7 @@ MAX_REPORTED_PREFIXES = 4096
 ROUTING_STATS_KEYS = (
     "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens", "healthy",
-    "num_unfinished", "incarnation",
+    "num_unfinished", "incarnation", "spec_decoding",
 )
 
 

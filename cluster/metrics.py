@@ -73,6 +73,14 @@ _KV_GAUGES = (
     ("kv_transfer_held_requests", "held_requests", "Finished prefills whose KV waits for a reader."),
     ("kv_transfer_held_blocks", "held_blocks", "KV blocks prefill engines hold for readers."),
 )
+# Speculative decoding, from the engines' SchedulerStats.spec_decoding summed over engines (vLLM's
+# spec_decode_* counters): (metric name, spec_decoding key, help)
+_SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "num_drafts", "Speculative proposals verified (one per request and step that "
+                                             "proposed at least one token)."),
+    ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens the target accepted."),
+)
 # Per-pool gauges (PD): (metric name after "pool_", stats key, help)
 _PER_POOL = (
     ("num_requests_running", "num_running", "Requests in model execution batches, per pool"),
@@ -124,6 +132,23 @@ class EngineStatsCollector(Collector):
         yield from self._per_engine(per_engine)
         yield from self._routing(stats)
         yield from self._disaggregated(stats)
+        yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: dict):
+        """Speculative decoding counters (only when the engines speculate)."""
+        spec = stats.get("spec_decoding")
+        if spec is None:
+            return
+        for name, key, help_text in _SPEC_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], float(spec.get(key, 0) or 0))
+            yield family
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at "
+                                     "this position (0 = first) the target accepted.",
+                                     labels=["model_name", "position"])
+        for position, count in enumerate(spec.get("accepted_per_position") or ()):
+            family.add_metric([self.model_name, str(position)], float(count))
+        yield family
 
     def _disaggregated(self, stats: dict):
         """Prefill/decode: KV transfer figures and per-pool load (only in the PD shape)."""

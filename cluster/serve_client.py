@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS
 from pagedserve.cluster.routing_policy import DECISIONS
 from pagedserve.cluster.router_registry import routers_for
+from pagedserve.cluster.spec_stats import sum_spec
 from pagedserve.cluster.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError
 from pagedserve.engine.outputs import RequestOutput
@@ -66,6 +67,7 @@ class ServeEngineClient:
         self.app_name = app_name
         self.deployment_name = deployment_name
         self._counters: dict[str, dict[str, int]] = {}  # replica -> its latest cumulative counters
+        self._spec: dict[str, dict] = {}  # replica -> its latest speculative-decoding counters (when it speculates)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -129,8 +131,12 @@ class ServeEngineClient:
         for replica in reporting:
             self._counters[replica["replica"]] = {key: int(replica.get(key, 0)) for key in COUNTER_KEYS}
             self._counters[replica["replica"]] = self._counters.pop(replica["replica"])  # newest last
+            if replica.get("spec_decoding"):
+                self._spec[replica["replica"]] = dict(replica["spec_decoding"])
         while len(self._counters) > MAX_REMEMBERED_REPLICAS:
-            self._counters.pop(next(iter(self._counters)))
+            oldest = next(iter(self._counters))
+            del self._counters[oldest]
+            self._spec.pop(oldest, None)
         out: dict[str, Any] = {key: sum(c[key] for c in self._counters.values()) for key in COUNTER_KEYS}
         out.update({key: sum(int(r.get(key, 0)) for r in reporting) for key in GAUGE_KEYS})
         usages = [float(r.get("kv_cache_usage", 0.0)) for r in reporting]
@@ -138,6 +144,9 @@ class ServeEngineClient:
         out["num_engines"] = len(snap["replicas"])
         out["num_healthy_engines"] = sum(bool(r.get("healthy", True)) for r in snap["replicas"])
         out["num_in_flight"] = sum(r["in_flight"] for r in snap["replicas"])
+        spec = sum_spec(self._spec.values())
+        if spec is not None:
+            out["spec_decoding"] = spec
         out["routing_decisions"] = snap["decisions"]
         out["engines"] = [{**r, "engine_index": r["replica"]} for r in snap["replicas"]]
         return out

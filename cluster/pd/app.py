@@ -37,6 +37,8 @@ def pool_specs(args: ServeArgs) -> dict[str, PoolSpec]:
                                    ("decode", args.num_decode_engines, args.decode_resources)):
         kwargs = {**args.engine_kwargs(), **side_layout_kwargs(args, role)}
         kwargs.pop("kv_transfer_config", None)
+        if role == "prefill":  # a prefill computes one token: speculation (and a draft's cache) pays only in decode
+            kwargs.pop("speculative_config", None)
         specs[role] = PoolSpec(role, int(count), kwargs, kv_connector=args.kv_connector,
                                kv_connector_extra_config=dict(args.kv_connector_extra_config),
                                resources=dict(resources), num_cpus_per_engine=args.num_cpus_per_engine,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS, DPCoordinator
+from pagedserve.cluster.spec_stats import sum_spec
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.engine.outputs import RequestOutput
@@ -220,6 +221,9 @@ class PDClient:
         out["engines"] = engines
         out["pools"] = pools
         out["kv_transfer"] = self._kv_totals(engines)
+        spec = sum_spec(p.get("spec_decoding") for p in pools.values())  # each pool's own sums, restarts included
+        if spec is not None:
+            out["spec_decoding"] = spec
         out["pd"] = vars(self.counters).copy()
         return out
 

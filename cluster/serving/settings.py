@@ -83,6 +83,20 @@ class ServeArgs(EngineConfig):
         check_pd_args(self)
         return self
 
+    @model_validator(mode="after")
+    def _check_draft(self) -> "ServeArgs":
+        """A draft model is checked here, before any replica starts: a wrong path or a vocabulary that
+        differs from the target's is a `speculative_config.model` error at the CLI, not a failing replica."""
+        spec = self.speculative
+        if spec is None or spec.method != "draft_model" or self.model is None:
+            return self
+        from pagedserve.engine.spec_decode.config import check_draft_compatible, load_draft_hf_config
+
+        draft = load_draft_hf_config(spec)
+        target = self.hf_config or EngineConfig(model=self.model).resolve().hf_config
+        check_draft_compatible(spec, target, draft)
+        return self
+
     @property
     def disaggregated(self) -> bool:
         """A prefill pool and a decode pool (`cluster/pd/`) instead of one engine deployment."""
