@@ -9,7 +9,7 @@ SampleLogprobs = list[dict[int, "Logprob"]]
 PromptLogprobs = list[dict[int, "Logprob"] | None]
 
 
-@dataclass
+@dataclass(slots=True)  # one per logprob entry of every token: small and quick to build
 class Logprob:
     logprob: float
     rank: int | None = None
