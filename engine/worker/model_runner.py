@@ -1,9 +1,10 @@
 """Turns a SchedulerOutput into one forward pass over a flat, unpadded batch of tokens.
 
-The runner keeps a small state per request (its tokens, block table, sampling state)
-that is updated from the scheduler's diffs, so that a worker in another process
-sees exactly what an in-process one does. Sequences are ordered decodes first
-(query length 1), then prefill chunks; the attention layers rely on that order.
+The runner keeps a small state per request (its tokens, sampling state) and a persistent input batch
+(input_batch.py: token ids, block tables and computed counts in preallocated rows), both updated from
+the scheduler's diffs, so that a worker in another process sees exactly what an in-process one does
+and a step's inputs are gathered with vectorized numpy instead of rebuilt per request. Sequences are
+ordered decodes first (query length 1), then prefill chunks; the attention layers rely on that order.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.worker.input_batch import InputBatch
 from pagedserve.engine.worker.cuda_graphs import CUDAGraphRunner
-from pagedserve.engine.worker.flat_batch import build_flat_inputs
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.models.loader import load_model, resolve_dtype
 from pagedserve.engine.sample.sampler import Sampler, SamplingState, compute_prompt_logprobs, describe_failure
@@ -37,9 +39,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 class RunnerRequestState:
     req_id: str
     num_prompt_tokens: int
-    token_ids: list[int]  # prompt + outputs known so far
-    block_ids: list[int]
-    num_computed_tokens: int
+    token_ids: list[int]  # prompt + outputs known so far (mirrored in the input batch's row)
     sampling: SamplingState
     prompt_logprobs: int | None
     # Async scheduling: the token this runner sampled last, the input of a step scheduled before it landed.
@@ -82,6 +82,9 @@ class _Batch:
     drafts: dict[str, list[int]] = field(default_factory=dict)
     spec_rows: list[int] = field(default_factory=list)
     spec_req_ids: list[str] = field(default_factory=list)
+    # The requests' rows in the input batch and their query lengths, as arrays (batch order).
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    query_lens_np: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class ModelRunner:
@@ -97,6 +100,8 @@ class ModelRunner:
         # Only one rank samples and reports results: TP rank 0 of the last pipeline stage.
         self.is_driver = self.is_last_stage and parallel.tp_rank == 0
         self.requests: dict[str, RunnerRequestState] = {}
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size, device)
+        self._prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
         self.sampler = Sampler(seed=config.seed)
         # Test hook, off (None) by default: called as fault_injector(stage, request_id) with stage
         # "forward" before the model runs (a raise fails the whole batch) and "sample" before a
@@ -182,6 +187,8 @@ class ModelRunner:
             finished = self.requests.pop(req_id, None)
             if finished is not None:
                 self.sampler.release(finished.sampling)  # frees its persistent sampling rows
+            self.input_batch.remove_request(req_id)
+            self._prompt_logprob_reqs.discard(req_id)
             if self.speculator is not None:
                 self.speculator.request_finished(req_id)
         for new in so.scheduled_new_reqs:
@@ -191,8 +198,6 @@ class ModelRunner:
                 req_id=new.req_id,
                 num_prompt_tokens=len(new.prompt_token_ids),
                 token_ids=list(new.prompt_token_ids) + output_ids,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
                 sampling=SamplingState(
                     params=params,
                     prompt_token_ids=list(new.prompt_token_ids),
@@ -205,10 +210,17 @@ class ModelRunner:
                 ),
                 prompt_logprobs=params.prompt_logprobs,
             )
+            self.input_batch.add_request(new.req_id, self.requests[new.req_id].token_ids, new.block_ids,
+                                         new.num_computed_tokens)
+            if params.prompt_logprobs is not None:
+                self._prompt_logprob_reqs.add(new.req_id)
             if self.speculator is not None:
                 self.speculator.request_added(new.req_id, new.num_computed_tokens)
+        grown_ids: list[str] = []  # cached requests with new tokens, and those tokens
+        grown_tokens: list[list[int]] = []
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            known = len(state.token_ids)
             if cached.new_token_ids:
                 state.token_ids.extend(cached.new_token_ids)
                 state.sampling.output_token_ids.extend(cached.new_token_ids)
@@ -216,14 +228,18 @@ class ModelRunner:
                 token = 0 if state.last_sampled_token_id is None else state.last_sampled_token_id
                 state.token_ids.append(token)
                 state.sampling.output_token_ids.append(token)
-            if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            if len(state.token_ids) > known:
+                grown_ids.append(cached.req_id)
+                grown_tokens.append(state.token_ids[known:])
+            if cached.new_block_ids or cached.resumed_from_preemption:
+                self.input_batch.update_blocks(cached.req_id, cached.new_block_ids,
+                                               replace=cached.resumed_from_preemption)
             if self.speculator is not None:
                 self.speculator.request_updated(cached.req_id, cached.num_computed_tokens,
                                                 cached.resumed_from_preemption)
+        cached_reqs = so.scheduled_cached_reqs
+        self.input_batch.append_tokens_many(grown_ids, grown_tokens)
+        self.input_batch.set_num_computed([c.req_id for c in cached_reqs], (c.num_computed_tokens for c in cached_reqs))
 
     def _propose_drafts(self, so: SchedulerOutput) -> dict[str, list[int]]:
         """Draft tokens for this step's speculating requests (the draft model also catches up over
@@ -231,46 +247,42 @@ class ModelRunner:
         if self.speculator is None or (not so.num_spec_tokens and self.speculator.draft is None):
             return {}
         scheduled = []
+        num_computed = self.input_batch.num_computed
         for rid, n in so.num_scheduled_tokens.items():
-            state = self.requests[rid]
             k = so.num_spec_tokens.get(rid, 0)
-            end = state.num_computed_tokens + (1 if rid in so.num_spec_tokens else n)
-            scheduled.append((rid, state.token_ids, end, state.block_ids, k))
+            end = int(num_computed[self.input_batch.row_of[rid]]) + (1 if rid in so.num_spec_tokens else n)
+            scheduled.append((rid, self.requests[rid].token_ids, end, self.input_batch.blocks_of(rid).tolist(), k))
         return self.speculator.propose(scheduled)
 
     def _plan_batch(self, so: SchedulerOutput, drafts: dict[str, list[int]]) -> _Batch:
-        # A speculating request computes its last token and the drafts it got (maybe fewer than allowed).
-        lens = {
-            rid: 1 + len(drafts.get(rid, ())) if rid in so.num_spec_tokens else n
-            for rid, n in so.num_scheduled_tokens.items()
-        }
-        decodes = [rid for rid, n in lens.items() if n == 1]
-        prefills = [rid for rid, n in lens.items() if n != 1]
-        req_ids = decodes + prefills
-        query_lens = [lens[rid] for rid in req_ids]
-        start_positions = [self.requests[rid].num_computed_tokens for rid in req_ids]
-        batch = _Batch(req_ids, query_lens, start_positions, [], [], drafts)
-        offset = 0
-        for rid, q, start in zip(req_ids, query_lens, start_positions):
-            offset += q
-            if rid in so.num_spec_tokens:
-                batch.spec_rows.extend(range(offset - q, offset))
-                batch.spec_req_ids.append(rid)
-            elif start + q == len(self.requests[rid].token_ids):
-                batch.sample_rows.append(offset - 1)
-                batch.sample_req_ids.append(rid)
-        return batch
+        """Order the step decodes first (each group in schedule order) and find the rows that sample:
+        vectorized over the input batch's arrays; Python touches only the speculating requests."""
+        scheduled = so.num_scheduled_tokens
+        rids = list(scheduled)
+        lens = np.fromiter(scheduled.values(), dtype=np.int64, count=len(rids))
+        speculating = np.zeros(len(rids), dtype=bool)
+        if so.num_spec_tokens:
+            index = {rid: i for i, rid in enumerate(rids)}
+            for rid in so.num_spec_tokens:
+                if rid in index:  # its last token and the drafts it got (maybe fewer than allowed)
+                    speculating[index[rid]] = True
+                    lens[index[rid]] = 1 + len(drafts.get(rid, ()))
+        order = np.argsort(lens != 1, kind="stable")
+        lens, speculating = lens[order], speculating[order]
+        req_ids = [rids[i] for i in order.tolist()]
+        rows = self.input_batch.rows_for(req_ids)
+        starts = self.input_batch.num_computed[rows]
+        last_rows = np.cumsum(lens) - 1
+        samples = np.flatnonzero(~speculating & (starts + lens == self.input_batch.num_tokens[rows]))
+        spec = np.flatnonzero(speculating)
+        return _Batch(
+            req_ids, lens.tolist(), starts.tolist(), last_rows[samples].tolist(), [req_ids[i] for i in samples.tolist()],
+            drafts, spec_rows=np.flatnonzero(np.repeat(speculating, lens)).tolist(),
+            spec_req_ids=[req_ids[i] for i in spec.tolist()], rows=rows, query_lens_np=lens,
+        )
 
     def _prepare_inputs(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        chunks, tables = [], []
-        for rid, start, ql in zip(batch.req_ids, batch.start_positions, batch.query_lens):
-            state = self.requests[rid]
-            chunk = state.token_ids[start : start + ql]
-            if rid in batch.drafts:
-                chunk = chunk + batch.drafts[rid]
-            chunks.append(chunk)
-            tables.append(state.block_ids)
-        return build_flat_inputs(chunks, batch.start_positions, tables, self.block_size, self.device)
+        return self.input_batch.prepare(batch.req_ids, batch.query_lens_np, batch.drafts, rows=batch.rows)
 
     # ------------------------------------------------------------------ the step
 
@@ -306,8 +318,7 @@ class ModelRunner:
                 intermediate=intermediate,
                 kv_hooks=self.kv_hooks,
             )
-        for rid, ql in zip(batch.req_ids, batch.query_lens):
-            self.requests[rid].num_computed_tokens += ql
+        self.input_batch.advance(batch.rows, batch.query_lens_np)
         if not self.is_last_stage:
             pp_send_tensors(hidden.to_dict(), self.parallel)
             self._finish_kv_loads(kv_md)
@@ -390,6 +401,8 @@ class ModelRunner:
         """Logprobs of the prompt tokens covered by this step's chunk (token 0 gets None); a request
         whose computation raises goes to `failed` instead."""
         result: dict[str, list[list[tuple[int, float, int]] | None]] = {}
+        if not self._prompt_logprob_reqs:
+            return result
         offset = 0
         for rid, ql, start in zip(batch.req_ids, batch.query_lens, batch.start_positions):
             state = self.requests[rid]
