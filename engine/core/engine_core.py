@@ -7,6 +7,11 @@ the forward pass itself raises, every request of that batch is finished that way
 (their blocks leave the prefix cache: their contents may be incomplete) and the engine
 keeps serving.
 
+Async scheduling (`async_scheduling`): the in-process executor runs steps in order on a background
+thread and two batches are in flight, so the scheduler (and, above, the output processor) works on
+step N+1 while step N runs (engine/core/scheduler_async.py). A failing batch fails only its own
+requests there: the worker runs the batch behind it anyway.
+
 Structured output: a request with `structured_outputs` waits (WAITING_FOR_GRAMMAR) while its
 grammar compiles in the manager's thread pool; a compile that fails or times out finishes that
 request alone with finish_reason "error". The manager is made on the first such request.
@@ -62,6 +67,8 @@ class EngineCore:
         # Pipeline parallelism: up to `max_concurrent_batches` batches in flight, oldest first.
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # New requests whose id an earlier request still uses in a batch in flight: added once it returns.
+        self._held: list[Request] = []
 
     def _make_kv_connector(self):
         """The scheduler half of the KV connector, told where this engine's ranks serve their KV."""
@@ -104,16 +111,42 @@ class EngineCore:
         return self.num_blocks * self.config.block_size
 
     def add_request(self, request: Request) -> None:
+        if self.scheduler.is_draining(request.request_id):
+            if any(r.request_id == request.request_id for r in self._held):
+                raise ValueError(f"request_id: {request.request_id!r} is already in use")
+            self._held.append(request)
+            return
         self.scheduler.add_request(request)
 
+    def _admit_held(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            for request in held:
+                self.add_request(request)
+
     def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        request_ids = list(request_ids)
+        if self._held:
+            ids = set(request_ids)
+            self._held = [r for r in self._held if r.request_id not in ids]
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue) or bool(self._held)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule one batch, run it, and turn the sampled tokens into per-request outputs."""
+        """Schedule one batch, run it, and turn the sampled tokens into per-request outputs (with batches
+        in flight: hand out the next batch, then take the oldest one's outputs)."""
+        outputs = self._step()
+        if self._batch_queue and self.config.async_scheduling and not self.scheduler.has_unfinished_requests():
+            # What is still in flight carries only finished requests (a step scheduled ahead of their last
+            # token): collect it now, so that an engine with nothing left to do holds no blocks.
+            while self._batch_queue:
+                outputs += self._collect_oldest()
+        self._admit_held()
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self.executor.is_failed:
             # The batches that were running when it failed have finished with an error; nothing new can run.
             raise RuntimeError("the engine's executor is down after an earlier failure; start a new engine")
@@ -150,9 +183,9 @@ class EngineCore:
         error, drop their blocks from the prefix cache, and stay up for the next requests."""
         logger.error("a step failed; failing the %d requests of its batch", len(so.num_scheduled_tokens), exc_info=exc)
         message = f"the engine step running this request failed: {describe_failure(exc)}"
-        outputs = self.scheduler.update_from_output(so, ModelRunnerOutput(sampled_token_ids={}))
-        for rid in so.num_scheduled_tokens:
+        for rid in so.num_scheduled_tokens:  # before the update: it frees the blocks of finished requests
             self.kv_cache_manager.uncache_blocks(rid)
+        outputs = self.scheduler.update_from_output(so, ModelRunnerOutput(sampled_token_ids={}))
         return outputs + self._finish_with_error({rid: message for rid in so.num_scheduled_tokens})
 
     def _finish_with_error(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
@@ -193,6 +226,10 @@ class EngineCore:
         if not self._batch_queue:
             self.scheduler.free_released_kv()
             return []
+        return self._collect_oldest()
+
+    def _collect_oldest(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest batch in flight and take its outputs."""
         scheduler_output, future = self._batch_queue.popleft()
         try:
             runner_output = future.result()
@@ -210,8 +247,11 @@ class EngineCore:
         return []
 
     def _fail_pipeline(self, so: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
-        """The pipeline broke at this batch: the batches behind it will not come back either."""
+        """The pipeline broke at this batch: the batches behind it will not come back either (with async
+        scheduling they will: the worker runs them, so only this batch fails)."""
         outputs = self._fail_batch(so, exc)
+        if self.config.async_scheduling:
+            return outputs
         while self._batch_queue:
             outputs += self._fail_batch(self._batch_queue.popleft()[0], exc)
         return outputs

@@ -20,6 +20,7 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pagedserve.engine.core.request import Request, RequestStatus
+from pagedserve.engine.core.scheduler_async import AsyncSchedulingMixin
 from pagedserve.engine.core.scheduler_kv import KVTransferSchedulingMixin
 from pagedserve.engine.core.scheduler_spec import SpecDecodeSchedulingMixin
 from pagedserve.engine.core.request_queue import RequestQueue, create_request_queue
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin):
+class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin, AsyncSchedulingMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -65,8 +66,8 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin):
         self._finished_req_ids: set[str] = set()
         # How many of each request's tokens the workers have been sent.
         self._num_tokens_sent: dict[str, int] = {}
-        # Requests in a batch whose output has not come back yet (pipeline parallelism).
-        self._in_flight: set[str] = set()
+        # Requests in a batch whose output has not come back yet (pipeline parallelism, async scheduling).
+        self._init_in_flight(config)
         # Per request: block count and preemption count as last sent to the workers.
         self._block_counts: dict[str, int] = {}
         self._preemptions_sent: dict[str, int] = {}
@@ -156,7 +157,7 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin):
                 request, self.kv_cache_manager.get_block_ids(request.request_id)
             )
         if not keep_blocks:
-            self.kv_cache_manager.free(request)
+            self._free_blocks(request)
         del self.requests[request.request_id]
         self._num_tokens_sent.pop(request.request_id, None)
         self._block_counts.pop(request.request_id, None)
@@ -186,9 +187,9 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin):
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING or request.request_id in self._in_flight:
+            if request.status != RequestStatus.RUNNING or self._held_in_flight(request):
                 continue  # preempted earlier in this loop, or its previous batch is still in flight
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._tokens_ahead(request) - request.num_computed_tokens, budget)
             num_drafts = self._spec_tokens_for(request, budget)
             num_new += num_drafts
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
@@ -272,7 +273,7 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin):
         for request in scheduled:
             rid = request.request_id
             block_ids = self.kv_cache_manager.get_block_ids(rid)
-            sent = self._num_tokens_sent.get(rid)
+            sent, ahead = self._num_tokens_sent.get(rid), self._tokens_ahead(request)
             if sent is None:
                 new_reqs.append(
                     NewRequestData(
@@ -297,12 +298,13 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin):
                         new_block_ids=list(block_ids[known:]),
                         num_computed_tokens=request.num_computed_tokens,
                         resumed_from_preemption=resumed,
+                        num_placeholder_tokens=ahead - request.num_tokens,
                     )
                 )
                 self._block_counts[rid] = len(block_ids)
-            self._num_tokens_sent[rid] = request.num_tokens
+            self._num_tokens_sent[rid] = ahead
             self._preemptions_sent[rid] = request.num_preemptions
-            self._in_flight.add(rid)
+            self._mark_in_flight(request, num_scheduled[rid])
             request.num_computed_tokens += num_scheduled[rid]
 
         # Constrained rows that sample this step (not partial prefills) get their bitmask.
@@ -373,14 +375,14 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin):
         self._unfittable = []
         self._update_kv_loads(scheduler_output, runner_output)
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            self._in_flight.discard(rid)
+            self._step_returned(rid)
             request = self.requests.get(rid)
             if request is None:  # finished (aborted) while its batch was running
                 continue
             if rid in runner_output.kv_load_failed:
                 self._recompute_after_failed_load(request)
                 continue
-            chunk_start = request.num_computed_tokens - num_tokens
+            chunk_start = request.num_computed_tokens - num_tokens - self._in_flight.num_tokens(rid)  # (later steps)
             prompt_left = max(0, request.num_prompt_tokens - chunk_start)
             self.num_prompt_tokens += min(num_tokens, prompt_left)
             new_token_ids: list[int] = []
