@@ -47,6 +47,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="on a GPU: the share of its memory the engine may use (default 0.9)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="on a GPU: run every step eagerly, capture no CUDA graphs for decode batches")
+    parser.add_argument("--async-scheduling", action="store_true", default=None,
+                        help="schedule the next step while this one runs (single-process engines only)")
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
                         help="decode batch sizes to capture CUDA graphs for (default 1 2 4 8 16 24 ... "
                              "up to --max-num-seqs)")
