@@ -19,9 +19,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.engine.core.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.worker.model_runner import ModelRunner
 from pagedserve.parallel.state import ParallelContext

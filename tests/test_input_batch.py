@@ -17,7 +17,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from pagedserve.engine.worker.flat_batch import build_flat_inputs
 from pagedserve.engine.worker.input_batch import InputBatch
 
@@ -35,10 +34,10 @@ class Req:
 class Model:
     """The logical state (what the runner's Python lists used to hold) beside the persistent batch."""
 
-    def __init__(self, device: torch.device = torch.device("cpu"), max_num_seqs: int = 2, max_model_len: int = 8):
+    def __init__(self, device: torch.device | None = None, max_num_seqs: int = 2, max_model_len: int = 8):
         self.reqs: dict[str, Req] = {}
-        self.batch = InputBatch(max_num_seqs, max_model_len, BLOCK_SIZE, device)
-        self.device = device
+        self.device = device or torch.device("cpu")
+        self.batch = InputBatch(max_num_seqs, max_model_len, BLOCK_SIZE, self.device)
         self.next_block = 1
         self.next_id = 0
 

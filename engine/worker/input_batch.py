@@ -21,9 +21,7 @@ from itertools import chain
 
 import numpy as np
 import torch
-
 from pagedserve.engine.worker.attention_metadata import AttentionMetadata
-
 
 _TORCH_DTYPE = {np.int32: torch.int32, np.int64: torch.int64}
 
