@@ -211,3 +211,60 @@ def test_bad_speculative_config_names_the_field(model, capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("pagedserve serve: error: --speculative-config: ") and named in err, err
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def test_code_edit_workload_repeats_its_source(model):
+    from pagedserve.cluster.bench.workload import code_edit
+
+    tokenizer = load_tokenizer(model)
+    sep = len(tokenizer("\n\n", add_special_tokens=False)["input_ids"])
+    requests = code_edit(5, (40, 60), (8, 16), 3, tokenizer)
+    assert requests == code_edit(5, (40, 60), (8, 16), 3, tokenizer)  # seeded
+    for r in requests:
+        n = len(r.prompt_token_ids)
+        assert 40 <= n <= 60 and 8 <= r.output_len <= 16
+        s = (n - sep + r.output_len + 1) // 2
+        source, copy = r.prompt_token_ids[:s], r.prompt_token_ids[s + sep:]
+        assert copy == source[:len(copy)] and s - len(copy) >= r.output_len  # the rest is left to re-emit
+    with pytest.raises(ValueError, match="--input-len"):
+        code_edit(1, (10, 10), (16, 16), 0, tokenizer)
+
+
+def test_bench_latency_and_throughput_report_acceptance(model, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    spec = json.dumps(NGRAM)
+    assert main(["bench", "latency", model, "--input-len", "40", "--output-len", "12", "--batch-size", "2",
+                 "--num-iters", "2", "--num-iters-warmup", "0", "--kv-cache-memory", "16MiB", "--workload", "repeat",
+                 "--speculative-config", spec, "--no-roofline", "--output-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "speculative decoding: acceptance rate" in printed and "repeat workload" in printed
+    from pagedserve.cluster.bench.report import validate_report
+
+    report = json.loads(out.read_text())
+    validate_report(report)
+    figures = report["runs"][0]["spec_decode"]
+    assert figures["num_drafts"] > 0 and 0 <= figures["num_accepted_tokens"] <= figures["num_draft_tokens"]
+    assert sum(figures["accepted_per_position"]) == figures["num_accepted_tokens"]
+    assert figures["mean_acceptance_length"] == pytest.approx(1 + figures["num_accepted_tokens"] / figures["num_drafts"])
+    # Only the timed iterations count: 2 iterations x 2 requests x 11 decode steps at most one draft each.
+    assert figures["num_drafts"] <= 2 * 2 * 11
+
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", model, "--num-prompts", "3", "--input-len", "40", "--output-len", "10",
+                 "--kv-cache-memory", "16MiB", "--workload", "repeat", "--speculative-config", spec, "--no-roofline",
+                 "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    validate_report(report)
+    (run,) = report["runs"]
+    assert run["output_tokens"] == 30 and run["spec_decode"]["num_drafts"] > 0
+    plain = tmp_path / "plain.json"
+    assert main(["bench", "throughput", model, "--num-prompts", "2", "--input-len", "20", "--output-len", "4",
+                 "--kv-cache-memory", "16MiB", "--no-roofline", "--output-json", str(plain)]) == 0
+    assert "spec_decode" not in json.loads(plain.read_text())["runs"][0]
+    capsys.readouterr()
+    assert main(["bench", "latency", model, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}',
+                 "--no-roofline"]) == 2
+    assert "--speculative-config: speculative_config.num_speculative_tokens" in capsys.readouterr().err

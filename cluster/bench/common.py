@@ -32,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--seed", type=int, default=0, help="workload and engine seed")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                            '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'')
 
 
 def add_output_args(parser: argparse.ArgumentParser, plot: bool = False) -> None:
@@ -48,10 +51,18 @@ def add_output_args(parser: argparse.ArgumentParser, plot: bool = False) -> None
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keywords for the engine flags the user set."""
     kwargs: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "seed": ns.seed}
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching"):
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+                 "speculative_config"):
         value = getattr(ns, name, None)
         if value is not None:
             kwargs[name] = value
+    if "speculative_config" in kwargs:  # checked here so that a bad value names the flag and the field
+        from pagedserve.engine.spec_decode.config import parse_speculative_config
+
+        try:
+            parse_speculative_config(kwargs["speculative_config"])
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config: {exc}") from None
     return kwargs
 
 
@@ -121,3 +132,36 @@ def host_overhead_line(figures: dict[str, float] | None, what: str) -> str:
         return f"host overhead of {what}: not measured"
     return (f"host overhead of {what}: {figures['host_share']:.1%} of a {figures['step_ms']:.1f} ms step "
             f"({figures['model_ms']:.1f} ms in the model) over {figures['steps']} steps")
+
+
+def spec_decode_delta(before: Any, after: Any) -> dict[str, Any] | None:
+    """The speculative-decoding counters of the engine steps between two `SchedulerStats` snapshots, with
+    the rates recomputed over that interval; None when the engine does not speculate."""
+    from pagedserve.engine.spec_decode.metrics import SpecDecodeStats
+
+    if not after.spec_decoding:
+        return None
+    old, new = before.spec_decoding or {}, after.spec_decoding
+    old_pos = list(old.get("accepted_per_position", []))
+    new_pos = list(new["accepted_per_position"])
+    old_pos += [0] * (len(new_pos) - len(old_pos))
+    delta = SpecDecodeStats(
+        num_drafts=new["num_drafts"] - old.get("num_drafts", 0),
+        num_draft_tokens=new["num_draft_tokens"] - old.get("num_draft_tokens", 0),
+        num_accepted_tokens=new["num_accepted_tokens"] - old.get("num_accepted_tokens", 0),
+        accepted_per_position=[b - a for a, b in zip(old_pos, new_pos)],
+    )
+    return {**delta.as_dict(), "acceptance_rate_per_position": delta.acceptance_rate_per_position}
+
+
+def spec_decode_line(figures: dict[str, Any] | None, spec_config: str | None) -> str | None:
+    """One readable line of acceptance figures (None when the run did not speculate)."""
+    if not spec_config:
+        return None
+    if not figures or not figures["num_drafts"]:
+        return "speculative decoding: no drafts were proposed"
+    per_pos = " ".join(f"{rate:.2f}" for rate in figures["acceptance_rate_per_position"])
+    return (f"speculative decoding: acceptance rate {figures['acceptance_rate']:.1%} "
+            f"({figures['num_accepted_tokens']} of {figures['num_draft_tokens']} draft tokens), mean acceptance "
+            f"length {figures['mean_acceptance_length']:.2f} over {figures['num_drafts']} drafts; acceptance "
+            f"by position {per_pos}")

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from pagedserve.cluster.bench import common
 from pagedserve.cluster.bench import report as rep
 from pagedserve.cluster.bench.roofline import model_facts, step_roofline
-from pagedserve.cluster.bench.workload import synthetic, vocab_token_ids
+from pagedserve.cluster.bench.workload import code_edit, synthetic, vocab_token_ids
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--num-iters", type=int, default=10)
     p.add_argument("--num-iters-warmup", type=int, default=2)
+    p.add_argument("--workload", choices=["random", "repeat"], default="random",
+                   help="random: random token ids; repeat: code-editing prompts whose output re-emits part of "
+                        "the input (what n-gram speculation is for)")
     common.add_engine_args(p)
     common.add_output_args(p)
     p.set_defaults(bench_func=run)
@@ -91,13 +94,19 @@ def run(ns: argparse.Namespace) -> int:
     with common.model_path(ns) as model:
         llm = LLM(model=model, dtype=ns.dtype, **kwargs)
         try:
-            ids = vocab_token_ids(llm.get_tokenizer(), llm.llm_engine.config.hf_config.vocab_size)
-            batch = synthetic(ns.batch_size, (ns.input_len,) * 2, (ns.output_len,) * 2, ns.seed, ids)
+            if ns.workload == "repeat":
+                batch = code_edit(ns.batch_size, (ns.input_len,) * 2, (ns.output_len,) * 2, ns.seed,
+                                  llm.get_tokenizer())
+            else:
+                ids = vocab_token_ids(llm.get_tokenizer(), llm.llm_engine.config.hf_config.vocab_size)
+                batch = synthetic(ns.batch_size, (ns.input_len,) * 2, (ns.output_len,) * 2, ns.seed, ids)
             prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
             params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
             for _ in tqdm(range(ns.num_iters_warmup), desc="warm-up", leave=False):
                 _iteration(llm, prompts, params)
+            before = llm.get_stats()
             times = [_iteration(llm, prompts, params) for _ in tqdm(range(ns.num_iters), desc="iterations")]
+            spec = common.spec_decode_delta(before, llm.get_stats())
             host = _decode_host_overhead(llm, prompts, params) if ns.output_len > 1 else None
             facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config)
         finally:
@@ -121,6 +130,8 @@ def run(ns: argparse.Namespace) -> int:
     }
     if host is not None:
         run_entry["host_overhead"] = host
+    if spec is not None:
+        run_entry["spec_decode"] = spec
     if figures is not None:
         n_in, b = ns.input_len, ns.batch_size
         prefill_mean = sum(prefill) / len(prefill)
@@ -136,10 +147,13 @@ def run(ns: argparse.Namespace) -> int:
                              figures.to_dict() if figures else None,
                              {"e2e_mean_ms": run_entry["latency_ms"]["e2e"]["mean"],
                               "model_dtype": facts.dtype})
-    text = "\n\n".join([f"pagedserve bench latency: {run_entry['name']}, {ns.num_iters} iterations",
-                        rep.latency_table(run_entry),
-                        common.host_overhead_line(host, f"a decode step at batch {ns.batch_size}"),
-                        rep.machine_line(report["machine"]),
-                        rep.roofline_table([run_entry])])
+    parts = [f"pagedserve bench latency: {run_entry['name']}, {ns.workload} workload, {ns.num_iters} iterations"
+             + (f", speculative {ns.speculative_config}" if ns.speculative_config else ""),
+             rep.latency_table(run_entry),
+             common.spec_decode_line(spec, ns.speculative_config),
+             common.host_overhead_line(host, f"a decode step at batch {ns.batch_size}"),
+             rep.machine_line(report["machine"]),
+             rep.roofline_table([run_entry])]
+    text = "\n\n".join(part for part in parts if part is not None)
     common.finish(report, ns, text)
     return 0

@@ -67,6 +67,20 @@ _RUN = {
                            "host_share": {"type": "number", "minimum": 0, "maximum": 1}},
         },
         "errors": {"type": "array", "items": {"type": "string"}},
+        # Speculative decoding (with --speculative-config): the run's counters (common.spec_decode_delta).
+        "spec_decode": {
+            "type": "object",
+            "required": ["num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
+                         "acceptance_rate", "mean_acceptance_length", "acceptance_rate_per_position"],
+            "properties": {
+                "num_drafts": _COUNT, "num_draft_tokens": _COUNT, "num_accepted_tokens": _COUNT,
+                "accepted_per_position": {"type": "array", "items": _COUNT},
+                "acceptance_rate": {"type": "number", "minimum": 0, "maximum": 1},
+                "mean_acceptance_length": _NONNEG,
+                "acceptance_rate_per_position": {"type": "array",
+                                                 "items": {"type": "number", "minimum": 0, "maximum": 1}},
+            },
+        },
     },
 }
 REPORT_SCHEMA: dict[str, Any] = {

@@ -19,7 +19,7 @@ from pagedserve.cluster.bench import common
 from pagedserve.cluster.bench import report as rep
 from pagedserve.cluster.bench.roofline import model_facts, run_roofline
 from pagedserve.cluster.bench.workload import (
-    BenchRequest, load_dataset, parse_range, synthetic, totals, vocab_token_ids,
+    BenchRequest, code_edit, load_dataset, parse_range, synthetic, totals, vocab_token_ids,
 )
 
 
@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens before each prompt")
     p.add_argument("--num-prefixes", type=int, default=8, help="distinct shared prefixes (with --prefix-len)")
     p.add_argument("--dataset", default=None, help="JSONL prompts or a ShareGPT JSON file instead of synthetic")
+    p.add_argument("--workload", choices=["random", "repeat"], default="random",
+                   help="synthetic prompts of random token ids, or (repeat) code-editing prompts whose output "
+                        "re-emits part of the input (what n-gram speculation is for)")
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="hf: also run HF generate (static batching) on the same workload")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64",
@@ -53,8 +56,11 @@ def make_workload(ns: argparse.Namespace, llm: Any) -> list[BenchRequest]:
         output_len = ns.output_len[0] if ns.output_len is not None else None
         return load_dataset(ns.dataset, tokenizer, ns.num_prompts, ns.seed, output_len,
                             llm.llm_engine.config.max_model_len)
-    ids = vocab_token_ids(tokenizer, hf_config.vocab_size)
-    requests = synthetic(ns.num_prompts, ns.input_len, ns.output_len or (32, 256), ns.seed, ids)
+    if ns.workload == "repeat":
+        requests = code_edit(ns.num_prompts, ns.input_len, ns.output_len or (32, 256), ns.seed, tokenizer)
+    else:
+        ids = vocab_token_ids(tokenizer, hf_config.vocab_size)
+        requests = synthetic(ns.num_prompts, ns.input_len, ns.output_len or (32, 256), ns.seed, ids)
     if ns.prefix_len:
         rng = random.Random(ns.seed + 1)
         prefixes = [[rng.choice(ids) for _ in range(ns.prefix_len)] for _ in range(ns.num_prefixes)]
@@ -72,6 +78,8 @@ def check_args(ns: argparse.Namespace) -> None:
     common.positive("--prefix-len", ns.prefix_len, minimum=0)
     common.positive("--num-prefixes", ns.num_prefixes)
     common.positive("--hf-calibration-prompts", ns.hf_calibration_prompts)
+    if ns.workload == "repeat" and (ns.dataset or ns.prefix_len):
+        raise ValueError("--workload: repeat builds its own prompts; leave out --dataset and --prefix-len")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -102,6 +110,7 @@ def run(ns: argparse.Namespace) -> int:
             elapsed = time.perf_counter() - start
             stats = llm.get_stats()
             host = common.host_overhead(before, stats)
+            spec = common.spec_decode_delta(before, stats)
         finally:
             llm.shutdown()
             del llm
@@ -124,6 +133,8 @@ def run(ns: argparse.Namespace) -> int:
         }
         if host is not None:
             ours["host_overhead"] = host
+        if spec is not None:
+            ours["spec_decode"] = spec
         if figures is not None:
             lengths = [(len(r.prompt_token_ids), r.output_len) for r in workload]
             batch = min(len(workload), max_num_seqs)
@@ -154,11 +165,14 @@ def run(ns: argparse.Namespace) -> int:
     rows = [[r["name"], r["num_requests"], r["prompt_tokens"], r["output_tokens"], r["duration_s"],
              r["throughput"]["requests_per_s"], r["throughput"]["output_tokens_per_s"],
              r["throughput"]["total_tokens_per_s"]] for r in runs]
-    parts = [f"pagedserve bench throughput: {label} ({facts.dtype})",
+    parts = [f"pagedserve bench throughput: {label} ({facts.dtype}), {ns.dataset or ns.workload} workload"
+             + (f", speculative {ns.speculative_config}" if ns.speculative_config else ""),
              rep.table(["engine", "requests", "prompt tok", "output tok", "seconds", "req/s", "out tok/s",
                         "total tok/s"], rows)]
     if "ratio_output_tokens_per_s" in summary:
         parts.append(f"pagedserve / HF output tok/s: {summary['ratio_output_tokens_per_s']:.2f}x")
+    if ns.speculative_config:
+        parts.append(common.spec_decode_line(spec, ns.speculative_config))
     parts.append(common.host_overhead_line(host, "pagedserve's engine steps (whole run)"))
     parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]
     common.finish(report, ns, "\n\n".join(parts))

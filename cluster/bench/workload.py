@@ -48,6 +48,42 @@ def synthetic(num: int, input_len: tuple[int, int], output_len: tuple[int, int],
             for _ in range(num)]
 
 
+def code_edit(num: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
+              tokenizer: Any) -> list[BenchRequest]:
+    """Code-editing-shaped requests (`--workload repeat`): a window of real Python source (the standard
+    library's, the bundled model's own domain), a blank line, then the same window again cut short, so
+    that the natural continuation copies the rest of the first copy. Each prompt has exactly its
+    input length: the window is long enough that `output_len` tokens remain to be copied. This is the
+    workload n-gram prompt lookup is made for (an editor re-emitting a file with small changes)."""
+    import sysconfig
+
+    if num < 1:
+        raise ValueError(f"--num-prompts: must be >= 1, got {num}")
+    sep = list(tokenizer("\n\n", add_special_tokens=False)["input_ids"])
+    if input_len[0] < len(sep) + 2 or input_len[0] < output_len[1] + len(sep) + 2:
+        raise ValueError(f"--input-len: the repeat workload needs input_len >= output_len + {len(sep) + 2} "
+                         f"(the source, then the part of it the output re-emits); got {input_len} and {output_len}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4096 and not p.name.startswith("_"))
+    if not files:
+        raise ValueError(f"--workload repeat: no Python sources under {root}")
+    rng = random.Random(seed)
+    requests = []
+    while len(requests) < num:
+        n_in, n_out = rng.randint(*input_len), rng.randint(*output_len)
+        # The source window s and its cut-short copy k: s + sep + k = n_in and s - k >= n_out.
+        s = (n_in - len(sep) + n_out + 1) // 2
+        k = n_in - len(sep) - s
+        text = rng.choice(files).read_text(errors="replace")
+        start = rng.randrange(0, max(1, len(text) - 16 * s))
+        ids = list(tokenizer(text[start:start + 16 * s], add_special_tokens=False)["input_ids"])
+        if len(ids) < s + 1:
+            continue  # a file shorter than the window: draw again
+        window = ids[1:s + 1]  # drop the first token: the window may have started mid-token
+        requests.append(BenchRequest(window + sep + window[:k], n_out))
+    return requests
+
+
 def vocab_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     """Ordinary token ids of the model: the vocabulary minus the tokenizer's special tokens."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
