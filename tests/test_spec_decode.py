@@ -133,17 +133,34 @@ def test_stop_conditions_inside_an_accepted_run(target, plain_outputs):
     assert_all_blocks_free(llm)
 
 
-def test_ineligible_requests_share_the_batch(target, plain_outputs):
-    """Penalties and logprobs decode one token per step beside speculating requests, exactly as before."""
+def test_every_sampling_parameter_beside_speculation(target, plain_outputs):
+    """logprobs, logit_bias, allowed_token_ids and min_tokens apply at every verified position (same tokens and
+    logprobs as the plain engine); penalties and bad words decode one token per step in the same batch."""
     prompts, expected = plain_outputs
-    llm = LLM(model=str(target), dtype="float32", block_size=8, kv_cache_memory="16MiB", speculative_config=ngram(3))
+    tail = sorted(set(expected[1][:12]))  # tokens the greedy path uses: banning/biasing them changes it
+    params = [
+        greedy(logprobs=3),
+        greedy(repetition_penalty=1.3),
+        greedy(logit_bias={tail[0]: -100.0, tail[1]: 5.0}),
+        greedy(allowed_token_ids=tail + [1, 5, 9, 77]),
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, stop_token_ids=[expected[4][3]]),
+    ]
+    llm = self_draft_llm(target, kv_cache_memory="16MiB")  # drafts at every step
     plain = LLM(model=str(target), dtype="float32", block_size=8, kv_cache_memory="16MiB")
-    special = [greedy(repetition_penalty=1.3), greedy(logprobs=2)]
-    params = [greedy(), *special, greedy(), greedy()]
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     want = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert got[2].outputs[0].logprobs is not None and len(got[2].outputs[0].logprobs) == MAX_NEW
+    assert got[2].outputs[0].token_ids != expected[2] or got[3].outputs[0].token_ids != expected[3]
+    got_lp, want_lp = got[0].outputs[0].logprobs, want[0].outputs[0].logprobs
+    assert len(got_lp) == len(want_lp) == MAX_NEW
+    for g, w in zip(got_lp, want_lp):
+        assert list(g) == list(w)  # same token ids (chosen + top 3), same order
+        assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 and g[t].rank == w[t].rank for t in g)
+    for i in (0, 4):  # the logprobs and the min_tokens requests speculate too
+        before = llm.get_stats().spec_decoding["num_accepted_tokens"]
+        again = llm.generate({"prompt_token_ids": prompts[i]}, params[i], use_tqdm=False)[0].outputs[0]
+        assert again.token_ids == want[i].outputs[0].token_ids
+        assert llm.get_stats().spec_decoding["num_accepted_tokens"] > before
     assert_all_blocks_free(llm)
 
 

@@ -402,11 +402,10 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin, AsyncSched
                 prompt_logprobs = request.take_new_prompt_logprobs(chunk_start, prompt_logprobs)
             if not new_token_ids and prompt_logprobs is None:
                 continue
-            logprobs = runner_output.logprobs.get(rid)
             output = EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=new_token_ids,
-                new_logprobs=[logprobs] if logprobs is not None and new_token_ids else None,
+                new_logprobs=self._new_logprobs(rid, new_token_ids, runner_output),
                 new_prompt_logprobs=prompt_logprobs,
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,

@@ -85,3 +85,5 @@ class ModelRunnerOutput:
     # followed by its sampled_token_ids entry) and how many drafts it proposed.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # ... and, when it asked for logprobs, one entry list per emitted token (accepted drafts, then the token).
+    spec_logprobs: dict[str, list[list[tuple[int, float, int]]]] = field(default_factory=dict)

@@ -27,6 +27,18 @@ class SpecDecodeSchedulingMixin:
             return 0
         return num_spec_tokens(request, self.spec_k, budget, self.max_model_len)
 
+    @staticmethod
+    def _new_logprobs(rid: str, new_token_ids: list[int], runner_output: ModelRunnerOutput) -> list | None:
+        """Logprob entries of a step's new tokens (a speculating request has one per emitted token, cut
+        where a stop condition cut its tokens); None when the request asked for none."""
+        if not new_token_ids:
+            return None
+        spec = runner_output.spec_logprobs.get(rid)
+        if spec is not None:
+            return spec[: len(new_token_ids)]
+        logprobs = runner_output.logprobs.get(rid)
+        return None if logprobs is None else [logprobs]
+
     def _land_spec_tokens(self, request: Request, num_scheduled: int, runner_output: ModelRunnerOutput) -> list[int]:
         """A speculating request's step: rewind its computed positions to the verified ones, then append
         the accepted drafts and the target's token one at a time, stopping where a stop condition hits

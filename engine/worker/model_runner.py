@@ -358,15 +358,16 @@ class ModelRunner:
             return
         states = [self.requests[rid].sampling for rid in batch.spec_req_ids]
         try:
-            results = self.speculator.verify(
-                logits, [batch.drafts.get(rid, []) for rid in batch.spec_req_ids], [s.params for s in states],
-                [s.generator_for(logits.device) for s in states],
+            results, logprobs = self.speculator.verify(
+                logits, [batch.drafts.get(rid, []) for rid in batch.spec_req_ids], states
             )
         except Exception as exc:  # no single request to blame: every speculating request of the step fails
             for rid in batch.spec_req_ids:
                 output.failed[rid] = describe_failure(exc)
             return
-        for rid, result in zip(batch.spec_req_ids, results):
+        for rid, result, entries in zip(batch.spec_req_ids, results, logprobs):
+            if entries is not None:
+                output.spec_logprobs[rid] = entries
             output.sampled_token_ids[rid] = result.next_token_id
             output.spec_token_ids[rid] = list(result.accepted_token_ids)
             output.num_draft_tokens[rid] = len(batch.drafts.get(rid, ()))

@@ -18,6 +18,7 @@ import torch
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.draft_model import DraftModel, DraftWork
 from pagedserve.engine.spec_decode.ngram_proposer import NgramProposer
+from pagedserve.engine.sample.logprobs import gather_logprobs
 from pagedserve.engine.spec_decode.rejection_sampler import SpecResult, SpecRow, rejection_sample
 
 
@@ -78,18 +79,65 @@ class Speculator:
     # ------------------------------------------------------------------ verifying
 
     @staticmethod
-    def verify(logits: torch.Tensor, drafts: list[list[int]], params: list, generators: list) -> list[SpecResult]:
-        """`logits`: [sum(1 + m_i), V], each request's 1 + m_i positions in order."""
+    def verify(logits: torch.Tensor, drafts: list[list[int]], states: list) -> tuple[list[SpecResult], list]:
+        """`logits`: [sum(1 + m_i), V], each request's 1 + m_i positions in order; `states`: the requests'
+        SamplingStates. Returns each request's result and, for requests that asked for logprobs, the raw
+        logprob entries of every emitted token (else None)."""
+        counts = [1 + len(d) for d in drafts]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+        raw = logits.float()
+        processed = _apply_position_processors(raw, drafts, states, starts)
         rows = [
             SpecRow(
-                draft_token_ids=d,
-                greedy=p.greedy,
-                temperature=float(p.temperature),
-                top_k=int(p.top_k),
-                top_p=float(p.top_p),
-                min_p=float(p.min_p),
-                generator=g,
+                draft_token_ids=d, greedy=s.params.greedy, temperature=float(s.params.temperature),
+                top_k=int(s.params.top_k), top_p=float(s.params.top_p), min_p=float(s.params.min_p),
+                generator=s.generator_for(logits.device),
             )
-            for d, p, g in zip(drafts, params, generators)
+            for d, s in zip(drafts, states)
         ]
-        return rejection_sample(logits, rows)
+        results = rejection_sample(processed, rows)
+        logprobs: list = [None] * len(states)
+        wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if wanted:
+            index, tokens, num_top, owners = [], [], [], []
+            for i in wanted:
+                emitted = [*results[i].accepted_token_ids, results[i].next_token_id]
+                index.extend(range(starts[i], starts[i] + len(emitted)))
+                tokens.extend(emitted)
+                num_top.extend([states[i].params.logprobs] * len(emitted))
+                owners.extend([i] * len(emitted))
+            entries = gather_logprobs(torch.log_softmax(raw[index], dim=-1), torch.tensor(tokens), num_top)
+            for i in wanted:
+                logprobs[i] = []
+            for i, entry in zip(owners, entries):
+                logprobs[i].append(entry)
+        return results, logprobs
+
+
+def _apply_position_processors(logits: torch.Tensor, drafts: list[list[int]], states: list,
+                               starts: list[int]) -> torch.Tensor:
+    """allowed_token_ids, logit_bias and min_tokens at every verified position, in the sampler's order
+    (min_tokens masks EOS and stop ids at positions whose token would come before min_tokens)."""
+    out = logits
+    for i, state in enumerate(states):
+        params = state.params
+        first, n = starts[i], 1 + len(drafts[i])
+        below_min = max(0, min(n, params.min_tokens - len(state.output_token_ids)))
+        if params.allowed_token_ids is None and not params.logit_bias and not below_min:
+            continue
+        if out is logits:
+            out = logits.clone()
+        rows = out[first : first + n]
+        if params.allowed_token_ids is not None:
+            keep = torch.full((rows.shape[1],), float("-inf"), device=rows.device)
+            keep[torch.tensor(params.allowed_token_ids, device=rows.device)] = 0.0
+            rows += keep
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=rows.device)
+            rows[:, ids] += torch.tensor(list(params.logit_bias.values()), device=rows.device, dtype=rows.dtype)
+        if below_min:
+            vocab = rows.shape[1]
+            blocked = sorted(t for t in set(state.eos_token_ids) | set(params.stop_token_ids or ()) if 0 <= t < vocab)
+            if blocked:
+                rows[:below_min, torch.tensor(blocked, device=rows.device)] = float("-inf")
+    return out
