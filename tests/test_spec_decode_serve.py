@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import pytest
-from pydantic import ValidationError
-from starlette.testclient import TestClient
-
 from pagedserve.cluster.cli import main
 from pagedserve.cluster.coordinator import DPCoordinator, EngineState
 from pagedserve.cluster.engine_actor import EngineActor
@@ -23,6 +21,9 @@ from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.settings import ServeArgs
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.processor import load_tokenizer
+from pydantic import ValidationError
+from starlette.testclient import TestClient
+
 from tests.local_serving import LocalHandle
 from tests.tiny_models import VOCAB_SIZE
 
@@ -33,7 +34,7 @@ MAX_TOKENS = 20
 
 def metric(text: str, name: str, labels: str = "") -> float:
     """Sum of a metric's samples whose labels contain `labels` (all label sets when empty)."""
-    pattern = re.compile(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$", re.M)
+    pattern = re.compile(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$", re.MULTILINE)
     return sum(float(v) for lab, v in pattern.findall(text) if labels in lab)
 
 
@@ -97,8 +98,6 @@ def _body(prompt: list[int], **kw) -> dict:
 def _settled_metrics(srv: TwoEngineServer) -> tuple[str, list[dict]]:
     """/metrics and both engines' own counters, once the engines are idle, their counters did not move
     around the scrape and the coordinator has polled their final figures (or as they stand after 30 s)."""
-    import time
-
     keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
     deadline = time.monotonic() + 30
     while True:
