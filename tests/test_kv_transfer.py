@@ -331,3 +331,18 @@ def test_a_read_of_a_released_hold_is_refused_and_the_prompt_computed(tiny_llama
     stats = consumer.llm_engine.get_stats().kv_transfer
     assert stats["load_failures"] == 1 and stats["fallbacks"] == 1 and stats["loads"] == 0
     _all_free(mono, producer, consumer)
+
+
+def test_a_speculating_consumer_drafts_over_the_loaded_prompt(tiny_llama):
+    """The draft model never saw the KV the consumer loads: it computes the prompt itself, so a self-draft
+    (the target as its own draft) is accepted at every position, and the output equals the monolithic one."""
+    spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    mono, producer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer")
+    consumer = _llm(tiny_llama, "kv_consumer", speculative_config=spec)
+    prompts = _prompts(21, [9, 30])
+    remote = _prefill(producer, prompts)
+    assert _tokens(_decode(consumer, prompts, remote)) == _tokens(_greedy(mono, prompts))
+    stats = consumer.llm_engine.get_stats()
+    assert stats.kv_transfer["loaded_tokens"] > 0
+    assert stats.spec_decoding["num_accepted_tokens"] == stats.spec_decoding["num_draft_tokens"] > 0
+    _all_free(mono, producer, consumer)

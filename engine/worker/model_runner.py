@@ -183,6 +183,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ per-step state
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        kv_md = so.kv_connector_metadata
+        loaded_from = {job.req_id: job.token_start for job in kv_md.loads} if kv_md is not None else {}
         for req_id in so.finished_req_ids:
             finished = self.requests.pop(req_id, None)
             if finished is not None:
@@ -215,7 +217,8 @@ class ModelRunner:
             if params.prompt_logprobs is not None:
                 self._prompt_logprob_reqs.add(new.req_id)
             if self.speculator is not None:
-                self.speculator.request_added(new.req_id, new.num_computed_tokens)
+                # KV a connector loads for the target was never computed by the draft: it catches up from there.
+                self.speculator.request_added(new.req_id, loaded_from.get(new.req_id, new.num_computed_tokens))
         grown_ids: list[str] = []  # cached requests with new tokens, and those tokens
         grown_tokens: list[list[int]] = []
         for cached in so.scheduled_cached_reqs:
