@@ -298,7 +298,12 @@ class ModelRunner:
             self.kv_hooks.start_load_kv(kv_md)  # releases go out now; loads run beside the forward pass
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}) if self.is_driver else None
-        batch = self._plan_batch(so, self._propose_drafts(so))
+        draft_start = time.perf_counter()
+        drafts = self._propose_drafts(so)
+        # The draft model's passes are model work, not host overhead (its argmax waits for the device).
+        draft_model = self.speculator is not None and self.speculator.draft is not None
+        draft_seconds = time.perf_counter() - draft_start if draft_model else 0.0
+        batch = self._plan_batch(so, drafts)
         input_ids, positions, metadata = self._prepare_inputs(batch)
 
         if self.fault_injector is not None:
@@ -351,7 +356,7 @@ class ModelRunner:
         for rid in output.failed:
             output.prompt_logprobs.pop(rid, None)
         if self.is_driver:  # (only the driver reports; on CUDA reading the timer waits for the device)
-            output.model_seconds = timer.seconds()
+            output.model_seconds = timer.seconds() + draft_seconds
         return output if self.is_driver else None
 
     def _verify_drafts(self, batch: _Batch, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
