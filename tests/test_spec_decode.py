@@ -256,3 +256,14 @@ def test_n_children_and_the_bundled_pair():
     # accepted about that often; a random draft would almost never be.
     assert stats["accepted_per_position"][0] / stats["num_drafts"] > 0.3
     assert_all_blocks_free(spec)
+
+
+def test_speculation_stops_at_disable_by_batch_size(target):
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 2, "disable_by_batch_size": 3}
+    llm = LLM(model=str(target), dtype="float32", block_size=8, kv_cache_memory="16MiB", speculative_config=spec)
+    prompts = repetitive_prompts(8, [10, 10, 10])
+    run(llm, prompts, greedy(max_new=8))  # three requests run side by side the whole time: no drafts
+    assert llm.get_stats().spec_decoding["num_drafts"] == 0
+    run(llm, prompts[:2], greedy(max_new=8))  # two: below the threshold
+    assert llm.get_stats().spec_decoding["num_drafts"] > 0
+    assert_all_blocks_free(llm)
