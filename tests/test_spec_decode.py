@@ -134,33 +134,38 @@ def test_stop_conditions_inside_an_accepted_run(target, plain_outputs):
 
 
 def test_every_sampling_parameter_beside_speculation(target, plain_outputs):
-    """logprobs, logit_bias, allowed_token_ids and min_tokens apply at every verified position (same tokens and
-    logprobs as the plain engine); penalties and bad words decode one token per step in the same batch."""
+    """logprobs, penalties, logit_bias, allowed_token_ids, min_tokens and bad_words apply at every verified
+    position: the same tokens and logprobs as the plain engine, and every one of these requests speculates."""
     prompts, expected = plain_outputs
     tail = sorted(set(expected[1][:12]))  # tokens the greedy path uses: banning/biasing them changes it
+    plain = LLM(model=str(target), dtype="float32", block_size=8, kv_cache_memory="16MiB")
+    text = plain.generate({"prompt_token_ids": prompts[1]}, greedy(), use_tqdm=False)[0].outputs[0].text
     params = [
         greedy(logprobs=3),
         greedy(repetition_penalty=1.3),
         greedy(logit_bias={tail[0]: -100.0, tail[1]: 5.0}),
         greedy(allowed_token_ids=tail + [1, 5, 9, 77]),
         SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, stop_token_ids=[expected[4][3]]),
+        greedy(frequency_penalty=0.8, presence_penalty=0.5),
+        greedy(bad_words=[text[4:9], text[12:14]]),
     ]
+    prompts = [prompts[i % len(prompts)] for i in range(len(params))]
     llm = self_draft_llm(target, kv_cache_memory="16MiB")  # drafts at every step
-    plain = LLM(model=str(target), dtype="float32", block_size=8, kv_cache_memory="16MiB")
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     want = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert got[2].outputs[0].token_ids != expected[2] or got[3].outputs[0].token_ids != expected[3]
+    for i in (1, 2, 5, 6):  # each of these processors changed what greedy decoding gives
+        assert want[i].outputs[0].token_ids != expected[i % len(expected)], i
     got_lp, want_lp = got[0].outputs[0].logprobs, want[0].outputs[0].logprobs
     assert len(got_lp) == len(want_lp) == MAX_NEW
     for g, w in zip(got_lp, want_lp):
         assert list(g) == list(w)  # same token ids (chosen + top 3), same order
         assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 and g[t].rank == w[t].rank for t in g)
-    for i in (0, 4):  # the logprobs and the min_tokens requests speculate too
-        before = llm.get_stats().spec_decoding["num_accepted_tokens"]
-        again = llm.generate({"prompt_token_ids": prompts[i]}, params[i], use_tqdm=False)[0].outputs[0]
+    for i, p in enumerate(params):  # every one of them speculates (alone, so the counters are its own)
+        before = llm.get_stats().spec_decoding["num_draft_tokens"]
+        again = llm.generate({"prompt_token_ids": prompts[i]}, p, use_tqdm=False)[0].outputs[0]
         assert again.token_ids == want[i].outputs[0].token_ids
-        assert llm.get_stats().spec_decoding["num_accepted_tokens"] > before
+        assert llm.get_stats().spec_decoding["num_draft_tokens"] > before, i
     assert_all_blocks_free(llm)
 
 
@@ -267,3 +272,33 @@ def test_speculation_stops_at_disable_by_batch_size(target):
     run(llm, prompts[:2], greedy(max_new=8))  # two: below the threshold
     assert llm.get_stats().spec_decoding["num_drafts"] > 0
     assert_all_blocks_free(llm)
+
+
+def test_each_verified_position_is_processed_as_the_plain_sampler_would_at_that_token():
+    """Position j of a speculating request sees the output so far plus its first j drafts: its processed
+    logits equal the plain sampler's processors for a request whose output already holds those drafts."""
+    import torch
+
+    from pagedserve.engine.sample.sampler import SamplingState, _apply_logits_processors
+    from pagedserve.engine.worker.speculator import _apply_position_processors
+
+    vocab, gen = 40, torch.Generator().manual_seed(3)
+    every = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.7, max_tokens=50),
+        SamplingParams(temperature=0.0, frequency_penalty=1.1, presence_penalty=0.6, max_tokens=50),
+        SamplingParams(temperature=0.0, logit_bias={3: 2.0, 7: -50.0}, allowed_token_ids=list(range(5, 30)),
+                       min_tokens=6, stop_token_ids=[9], max_tokens=50),
+        SamplingParams(temperature=0.0, max_tokens=50),
+    ]
+    bad_words = [[11, 12], [13], [12, 14, 15]]
+    for params in every:
+        prompt, output, drafts = [4, 5, 6, 11], [7, 12, 11, 5], [12, 14, 7, 12, 14]
+        state = SamplingState(params=params, prompt_token_ids=prompt, output_token_ids=list(output),
+                              bad_words_token_ids=bad_words, eos_token_ids={1})
+        logits = torch.randn(len(drafts) + 1, vocab, generator=gen) * 3
+        got = _apply_position_processors(logits, [drafts], [state], [0])
+        for j in range(len(drafts) + 1):
+            at_j = SamplingState(params=params, prompt_token_ids=prompt, output_token_ids=output + drafts[:j],
+                                 bad_words_token_ids=bad_words, eos_token_ids={1})
+            want = _apply_logits_processors(logits[j : j + 1].clone(), [at_j], {})
+            torch.testing.assert_close(got[j : j + 1], want, rtol=0, atol=1e-6, msg=f"{params} position {j}")

@@ -19,6 +19,7 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.draft_model import DraftModel, DraftWork
 from pagedserve.engine.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.engine.sample.logprobs import gather_logprobs
+from pagedserve.engine.sample.processors import banned_bad_word_tokens
 from pagedserve.engine.spec_decode.rejection_sampler import SpecResult, SpecRow, rejection_sample
 
 
@@ -116,28 +117,61 @@ class Speculator:
 
 def _apply_position_processors(logits: torch.Tensor, drafts: list[list[int]], states: list,
                                starts: list[int]) -> torch.Tensor:
-    """allowed_token_ids, logit_bias and min_tokens at every verified position, in the sampler's order
-    (min_tokens masks EOS and stop ids at positions whose token would come before min_tokens)."""
+    """Every logits processor at every verified position, in the sampler's order: allowed_token_ids,
+    logit_bias, min_tokens, bad_words, repetition penalty, frequency/presence penalties. Position j of a
+    request sees the output as the plain sampler would at that token: the output so far followed by
+    the first j drafts (min_tokens counts them, bad words match against them, penalties count them)."""
     out = logits
     for i, state in enumerate(states):
         params = state.params
-        first, n = starts[i], 1 + len(drafts[i])
+        first, n, d = starts[i], 1 + len(drafts[i]), drafts[i]
         below_min = max(0, min(n, params.min_tokens - len(state.output_token_ids)))
-        if params.allowed_token_ids is None and not params.logit_bias and not below_min:
+        penalized = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        if (params.allowed_token_ids is None and not params.logit_bias and not below_min
+                and not state.bad_words_token_ids and not penalized):
             continue
         if out is logits:
             out = logits.clone()
         rows = out[first : first + n]
+        vocab, device = rows.shape[1], rows.device
         if params.allowed_token_ids is not None:
-            keep = torch.full((rows.shape[1],), float("-inf"), device=rows.device)
-            keep[torch.tensor(params.allowed_token_ids, device=rows.device)] = 0.0
+            keep = torch.full((vocab,), float("-inf"), device=device)
+            keep[torch.tensor(params.allowed_token_ids, device=device)] = 0.0
             rows += keep
         if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias), device=rows.device)
-            rows[:, ids] += torch.tensor(list(params.logit_bias.values()), device=rows.device, dtype=rows.dtype)
+            ids = torch.tensor(list(params.logit_bias), device=device)
+            rows[:, ids] += torch.tensor(list(params.logit_bias.values()), device=device, dtype=rows.dtype)
         if below_min:
-            vocab = rows.shape[1]
             blocked = sorted(t for t in set(state.eos_token_ids) | set(params.stop_token_ids or ()) if 0 <= t < vocab)
             if blocked:
-                rows[:below_min, torch.tensor(blocked, device=rows.device)] = float("-inf")
+                rows[:below_min, torch.tensor(blocked, device=device)] = float("-inf")
+        if state.bad_words_token_ids:
+            for j in range(n):
+                banned = [t for t in banned_bad_word_tokens(state.bad_words_token_ids, state.output_token_ids + d[:j])
+                          if 0 <= t < vocab]
+                if banned:
+                    rows[j, torch.tensor(banned, device=device)] = float("-inf")
+        if penalized:
+            rows.copy_(_penalize(rows, state, d))
     return out
+
+
+def _penalize(rows: torch.Tensor, state, drafts: list[int]) -> torch.Tensor:
+    """HF repetition penalty over prompt + output, then OpenAI frequency/presence penalties over the
+    output, where position j's output also holds the first j drafts."""
+    params, (n, vocab), device = state.params, rows.shape, rows.device
+    output = torch.tensor(state.output_token_ids, dtype=torch.long, device=device)
+    base = torch.bincount(output, minlength=vocab)[:vocab].to(rows.dtype)
+    counts = base.repeat(n, 1)
+    for j, token in enumerate(drafts):
+        counts[j + 1 :, token] += 1
+    present = counts > 0
+    x = rows
+    if params.repetition_penalty != 1.0:
+        prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        prompt_seen[torch.tensor(state.prompt_token_ids, dtype=torch.long, device=device)] = True
+        rep = params.repetition_penalty
+        x = torch.where(present | prompt_seen, torch.where(x > 0, x / rep, x * rep), x)
+    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+        x = x - params.frequency_penalty * counts - params.presence_penalty * present.to(x.dtype)
+    return x
