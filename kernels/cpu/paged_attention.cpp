@@ -26,6 +26,9 @@ constexpr int64_t kMinPartitionTokens = 256;
 constexpr int64_t kMaxPartitionTokens = 2048;
 constexpr int64_t kSplitBelowSeqs = 16;  // batches this small split contexts into several partitions
 constexpr int64_t kPrefetchBytes = 2048;
+// Below this many query-head x key x head-dim products a call runs on the calling thread: waking the
+// pool costs more than the work (and on a busy machine a descheduled worker stalls the whole call).
+constexpr int64_t kInlineWork = 1 << 17;
 
 // 16-float vectors through the compiler's generic vector extension (AVX-512 here, split on narrower ISAs).
 using vec16 = float __attribute__((vector_size(64)));
@@ -234,7 +237,10 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   std::vector<float> partial_max(plan.num_partials * num_heads), partial_sum(plan.num_partials * num_heads);
 
   const bool vectorised = head_size % kLanes == 0;
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  int64_t work = 0;
+  for (const WorkItem& it : items) work += (it.token_end - it.token_begin) * (it.kv_head_end - it.kv_head_begin);
+  const bool run_inline = work * group * head_size < kInlineWork;
+  at::parallel_for(0, num_items, run_inline ? std::max<int64_t>(num_items, 1) : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_f(num_heads * head_size), row(head_size), scores(num_heads * round_up(plan.max_tokens, kLanes));
     // Output accumulator of items that write directly (partials have their own slots), exp-sum per head.
     std::vector<float> direct_acc(num_heads * head_size), sum_of(num_heads), probs(group);
@@ -344,7 +350,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
     ++parts_of.back();
   }
   const int64_t num_split = static_cast<int64_t>(split_seqs.size());
-  at::parallel_for(0, num_split * num_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_merges = num_split * num_heads;
+  at::parallel_for(0, num_merges, run_inline ? std::max<int64_t>(num_merges, 1) : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(head_size);
     for (int64_t idx = begin; idx < end; ++idx) {
       const auto [s, first] = split_seqs[idx / num_heads];
