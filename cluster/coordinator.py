@@ -157,8 +157,10 @@ class DPCoordinator:
         prompt_token_ids: list[int],
         sampling_params: dict,
         priority: int = 0,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Route the request and stream its DELTA outputs.
+        """Route the request and stream its DELTA outputs; with `final_only` (the caller reads only the
+        end, e.g. a non-streaming HTTP request) the stream is the one finished output.
 
         An engine that refuses the request as overloaded (before any output) is skipped and the request
         routed to another; EngineOverloadedError reaches the caller only when every engine refused.
@@ -175,7 +177,7 @@ class DPCoordinator:
             try:
                 # aclosing: an early stop by the consumer closes the engine stream now (abort, bookkeeping).
                 async with contextlib.aclosing(
-                    self._generate_on(index, request_id, prompt_token_ids, sampling_params, priority)
+                    self._generate_on(index, request_id, prompt_token_ids, sampling_params, priority, final_only)
                 ) as outputs:
                     async for output in outputs:
                         produced = True
@@ -188,7 +190,8 @@ class DPCoordinator:
                 logger.debug("engine %d overloaded, routing %s to another engine", index, request_id)
 
     async def _generate_on(
-        self, index: int, request_id: str, prompt_token_ids: list[int], sampling_params: dict, priority: int
+        self, index: int, request_id: str, prompt_token_ids: list[int], sampling_params: dict, priority: int,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         state = self.engines[index]
         self._remember_prefix(prompt_token_ids, index)
@@ -197,9 +200,10 @@ class DPCoordinator:
         self._requests[request_id] = index
         finished = False
         try:
-            stream = state.handle.generate.remote(
-                request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling_params, priority
-            )
+            args = (request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling_params, priority)
+            # EngineActor.generate's fifth argument, `final_only`, sent only when set: a streaming call
+            # stays the plain four-argument one that any engine handle (or test double) answers.
+            stream = state.handle.generate.remote(*args, True) if final_only else state.handle.generate.remote(*args)
             restore = PromptRestorer()
             async for ref in stream:
                 output: RequestOutput = restore(await ref)

@@ -1,7 +1,8 @@
 """Headless engine actors: one `AsyncLLM` per Ray actor, stepping continuously, many requests in flight.
 
 The actor is an async Ray actor (high `max_concurrency`); `generate` is a Ray streaming generator
-that yields the engine's DELTA `RequestOutput`s. An engine with TP/PP > 1 builds its own worker
+that yields the engine's DELTA `RequestOutput`s (or, for a caller that reads only the end, `final_only`,
+one finished output). An engine with TP/PP > 1 builds its own worker
 group inside the actor through the engine's "ray" executor backend.
 
 Failure model: actors are restartable (`max_restarts`) with `max_task_retries=0`, so the calls in
@@ -53,6 +54,7 @@ from pagedserve.cluster.ray_utils import ensure_ray
 from pagedserve.cluster.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -148,9 +150,12 @@ class EngineActor:
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
     async def generate(
-        self, request_id: str, prompt: str | dict, sampling_params: dict, priority: int = 0
+        self, request_id: str, prompt: str | dict, sampling_params: dict, priority: int = 0,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs, the prompt only in the first (see `stream_transport`).
+        """Stream DELTA outputs, the prompt only in the first (see `stream_transport`). With `final_only`
+        (the caller reads nothing before the end: a non-streaming HTTP request) the stream is one output,
+        the finished one with every token (OutputKind.FINAL_ONLY: its text is decoded once, not per step).
         ValueError (bad input), EngineOverloadedError and EngineDeadError propagate."""
         try:
             params = SamplingParams(**sampling_params)
@@ -160,7 +165,8 @@ class EngineActor:
             raise ValueError(f"request_id: {request_id!r} is already running on engine {self.engine_index}")
         aborted = asyncio.Event()
         self._aborts[request_id] = aborted
-        stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority)
+        stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority,
+                                      output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA)
         elide = PromptElider()
         abort_wait = asyncio.ensure_future(aborted.wait())
         next_output: asyncio.Future | None = None

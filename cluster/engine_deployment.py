@@ -82,12 +82,13 @@ class PagedServeEngine:
                 "rank_node_ids": rank_nodes}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs for one prompt; cancelling the stream (the caller's handle response was
-        cancelled, e.g. its client went away) aborts the request and frees its blocks."""
+                       priority: int = 0, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs for one prompt (only the finished one with `final_only`); cancelling the
+        stream (the caller's handle response was cancelled, e.g. its client went away) aborts the request
+        and frees its blocks."""
         self._remember(prompt_token_ids)
         async for output in self.actor.generate(request_id, {"prompt_token_ids": list(prompt_token_ids)},
-                                                sampling_params, priority):
+                                                sampling_params, priority, final_only=final_only):
             yield output
 
     async def abort_requests(self, request_ids: list[str]) -> None:

@@ -70,13 +70,15 @@ class ServeEngineClient:
         self._spec: dict[str, dict] = {}  # replica -> its latest speculative-decoding counters (when it speculates)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs. Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
+                       priority: int = 0, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs, or with `final_only` only the finished output (the engine then decodes
+        its text once at the end). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
         (the replica died while serving this request). Closing the iteration early cancels the handle's
         response, which aborts the request in its engine."""
         with _own_internal_request_id():
+            # The prompt stays the second positional argument: the request router reads it there.
             response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params,
-                                                          priority)
+                                                          priority, final_only=final_only)
         restore = PromptRestorer()
         finished = False
         try:

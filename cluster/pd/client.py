@@ -118,13 +118,18 @@ class PDClient:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs. Raises ValueError (bad input), EngineOverloadedError (every decode engine
-        refused), or EngineDeadError (the decode engine died while serving this request)."""
+        refused), or EngineDeadError (the decode engine died while serving this request).
+
+        `final_only` (the caller reads only the end): a decode leg that computes the whole output itself
+        (prompt logprobs, fallbacks, n > 1) asks its engine for the finished output alone. The prefill leg
+        (one token, its output the first delta or the answer) and an n == 1 continuation stay DELTA: the
+        continuing engine's outputs start after the prefill's token, which the client already has."""
         user = {**sampling_params, "kv_transfer_params": None}
         if user.get("prompt_logprobs") is not None:
             self.counters.decode_only += 1
-            async for output in self._decode(request_id, prompt_token_ids, user, priority):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
                 yield output
             return
         one_shot = user.get("max_tokens") == 1 and int(user.get("n") or 1) == 1
@@ -138,7 +143,7 @@ class PDClient:
         except (EngineDeadError, EngineOverloadedError) as exc:
             self.counters.prefill_fallbacks += 1
             logger.warning("request %s: prefill failed (%s); computing it on a decode engine", request_id, exc)
-            async for output in self._decode(request_id, prompt_token_ids, user, priority):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
                 yield output
             return
         final = outputs[-1]
@@ -153,7 +158,7 @@ class PDClient:
             return
         if remote is None:  # the producer kept nothing (e.g. the prompt did not fill a block): compute it
             self.counters.prefill_fallbacks += 1
-            async for output in self._decode(request_id, prompt_token_ids, user, priority):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
                 yield output
             return
         self.counters.pd_requests += 1
@@ -172,8 +177,8 @@ class PDClient:
             yield first
         first_logprob = first.outputs[0].cumulative_logprob if first is not None else None
         try:
-            async with contextlib.aclosing(self._decode(request_id, prompt_token_ids, decode_params,
-                                                        priority)) as stream:
+            async with contextlib.aclosing(self._decode(request_id, prompt_token_ids, decode_params, priority,
+                                                        final_only and first is None)) as stream:
                 async for output in stream:
                     if early and not released:
                         released = True
@@ -188,8 +193,8 @@ class PDClient:
                 self._release(remote)
 
     def _decode(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                priority: int) -> AsyncIterator[RequestOutput]:
-        return self.decode.generate(request_id, prompt_token_ids, params, priority)
+                priority: int, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        return self.decode.generate(request_id, prompt_token_ids, params, priority, final_only=final_only)
 
     def _release(self, remote: dict[str, Any]) -> None:
         """Free the producer's hold (fire and forget: a dead producer's blocks went with it)."""

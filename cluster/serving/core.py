@@ -186,9 +186,10 @@ class OpenAIServing:
         self.num_in_flight -= 1
 
     def _streams(self, request_id: str, prompts: list[EncodedPrompt], params: list[dict], priority: int,
-                 timers: list[RequestTimer]) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 timers: list[RequestTimer], final_only: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [
-            timed(self.coordinator.generate(f"{request_id}-{p.index}", p.token_ids, sp, priority), timer)
+            timed(self.coordinator.generate(f"{request_id}-{p.index}", p.token_ids, sp, priority,
+                                            final_only=final_only), timer)
             for p, sp, timer in zip(prompts, params, timers)
         ]
         return merge_streams(streams)
@@ -206,12 +207,14 @@ class OpenAIServing:
     async def run(self, request: SamplingRequest, request_id: str, prompts: list[EncodedPrompt],
                   params: list[dict], stream_fn: Callable, collect_fn: Callable) -> Response:
         """Admit, start the streams, and answer as SSE (after the first output, so early errors keep
-        their status code) or as one JSON body."""
+        their status code) or as one JSON body. A JSON body is built from the finished outputs alone, so
+        its engines are asked for only those (`final_only`: no per-step detokenization or transport)."""
         self.admit()
         logger.info("request %s: %s%s", current_request_id(), request_id,
                     f" (user {request.user!r})" if request.user else "")
-        timers = [RequestTimer(self.metrics, len(p.token_ids)) for p in prompts]
-        outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers))
+        final_only = not request.stream
+        timers = [RequestTimer(self.metrics, len(p.token_ids), final_only=final_only) for p in prompts]
+        outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers, final_only))
         try:
             try:
                 first = await outputs.__anext__()

@@ -25,7 +25,12 @@ class EncodedPrompt:
 
 @dataclass
 class RequestTimer:
-    """Per-request latency bookkeeping for the metrics (TTFT, inter-token, e2e)."""
+    """Per-request latency bookkeeping for the metrics (TTFT, inter-token, e2e).
+
+    `final_only`: the stream is one finished output carrying every token. Its first token and the gaps
+    between tokens are then dated from the engine's own record (`RequestOutput.metrics`): the first token
+    came as long before this output as the engine's last token came after its first, and that decode time
+    counts as one equal gap per further token."""
 
     metrics: ServingMetrics
     prompt_tokens: int
@@ -34,12 +39,20 @@ class RequestTimer:
     last: float | None = None
     generated: int = 0
     finish_reason: str | None = None
+    final_only: bool = False
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.perf_counter()
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
         if num_tokens:
-            if self.first is None:
+            decode_s = self._engine_decode_time(output) if self.first is None and self.final_only else None
+            if decode_s is not None:
+                self.first = max(self.start, now - decode_s)
+                self.metrics.observe_first_token(self.first - self.start)
+                gap = (now - self.first) / max(1, num_tokens - 1)
+                for _ in range(num_tokens - 1):
+                    self.metrics.observe_inter_token(gap)
+            elif self.first is None:
                 self.first = now
                 self.metrics.observe_first_token(now - self.start)
             else:
@@ -51,6 +64,15 @@ class RequestTimer:
                 self.finish_reason = c.finish_reason
         if output.finished:
             self.metrics.observe_finished(now - self.start, self.prompt_tokens, self.generated, self.finish_reason)
+
+    @staticmethod
+    def _engine_decode_time(output: RequestOutput) -> float | None:
+        """Seconds between the engine's first and last token of a finished output (None when the output
+        is not a finished one or carries no engine timings: then it is timed on arrival, like a delta)."""
+        m = output.metrics
+        if not output.finished or m is None or m.first_token_time is None or m.last_token_time is None:
+            return None
+        return max(0.0, m.last_token_time - m.first_token_time)
 
 
 class RequestFailedError(RuntimeError):
