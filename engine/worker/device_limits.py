@@ -35,43 +35,16 @@ def check_block_size(block_size: int, device_type: str) -> None:
         )
 
 
-def auto_dtype(checkpoint_dtype: torch.dtype, device_type: str, bf16_supported: bool,
-               fp16_supported: bool = False) -> torch.dtype:
-    """The dtype dtype="auto" runs in for a checkpoint saved in `checkpoint_dtype` on `device_type`.
-
-    CUDA: a float32 checkpoint runs in bf16 (fp16 where bf16 is missing). CPU: a half-precision
-    checkpoint runs in its own dtype only where the CPU multiplies it natively (bf16: AVX512-BF16 or
-    AMX; fp16: AMX-FP16); elsewhere torch emulates it at a fraction of float32's speed, so it runs in
-    float32. `*_supported` describe the device (see `native_half_support`)."""
+def auto_dtype(checkpoint_dtype: torch.dtype, device_type: str, bf16_supported: bool) -> torch.dtype:
+    """The dtype dtype="auto" runs in for a checkpoint saved in `checkpoint_dtype` on `device_type`."""
     import torch
 
-    if device_type != "cuda":
-        native = {torch.bfloat16: bf16_supported, torch.float16: fp16_supported}.get(checkpoint_dtype, True)
-        if not native:
-            logger.info("dtype='auto': this CPU has no native %s matmul; running the %s checkpoint in float32 "
-                        "(pass dtype explicitly to override)", str(checkpoint_dtype).removeprefix("torch."),
-                        str(checkpoint_dtype).removeprefix("torch."))
-            return torch.float32
-        return checkpoint_dtype
-    if checkpoint_dtype != torch.float32:
+    if device_type != "cuda" or checkpoint_dtype != torch.float32:
         return checkpoint_dtype
     chosen = torch.bfloat16 if bf16_supported else torch.float16
     logger.info("dtype='auto': the checkpoint is float32; running in %s on CUDA (pass dtype='float32' to keep it)",
                 str(chosen).removeprefix("torch."))
     return chosen
-
-
-def native_half_support(device_type: str) -> tuple[bool, bool]:
-    """(bf16, fp16): whether the device multiplies these dtypes natively."""
-    import torch
-
-    if device_type == "cuda":
-        return torch.cuda.is_bf16_supported(), True
-    cpu = torch.cpu
-    bf16 = bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
-    fp16 = bool(getattr(cpu, "_is_amx_fp16_supported", lambda: False)())
-    return bf16, fp16
 
 
 def should_warm_up(device: torch.device) -> bool:
