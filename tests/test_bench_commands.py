@@ -70,6 +70,7 @@ def test_bench_throughput_against_hf(model, roofline_file, tmp_path):
     out = tmp_path / "throughput.json"
     assert main(["bench", "throughput", model, "--num-prompts", "5", "--input-len", "4:12", "--output-len", "2:6",
                  "--baseline", "hf", "--hf-batch-sizes", "2,4", "--hf-calibration-prompts", "2",
+                 "--host-overhead-batch-sizes", "3,8,999",
                  "--kv-cache-memory", "16MiB", "--roofline-file", roofline_file, "--output-json", str(out)]) == 0
     report = _report(out)
     ours, hf = report["runs"]
@@ -83,6 +84,11 @@ def test_bench_throughput_against_hf(model, roofline_file, tmp_path):
         ours["throughput"]["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"])
     _check_roofline(ours, {"run"})
     assert ours["host_overhead"]["steps"] > 0 and 0 <= ours["host_overhead"]["host_share"] < 1
+    # A decode step's host share at each asked batch size (999 > max_num_seqs: not measurable).
+    decode = report["summary"]["decode_host_overhead"]
+    assert set(decode) == {"3", "8", "999"} and decode["999"] is None
+    for batch in ("3", "8"):
+        assert decode[batch]["steps"] >= 15 and 0 <= decode[batch]["host_share"] < 1
 
 
 def test_bench_throughput_dataset(model, tmp_path):
@@ -94,6 +100,7 @@ def test_bench_throughput_dataset(model, tmp_path):
     ]))
     out = tmp_path / "dataset.json"
     assert main(["bench", "throughput", model, "--dataset", str(data), "--num-prompts", "4", "--output-len", "5",
+                 "--host-overhead-batch-sizes", "none",
                  "--kv-cache-memory", "16MiB", "--no-roofline", "--output-json", str(out)]) == 0
     report = _report(out)
     (run,) = report["runs"]

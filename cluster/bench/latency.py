@@ -64,7 +64,7 @@ def _iteration(llm: Any, prompts: list[dict], params: Any) -> tuple[float, float
     return e2e, prefill, decode
 
 
-def _decode_host_overhead(llm: Any, prompts: list[dict], params: Any) -> dict[str, float] | None:
+def decode_host_overhead(llm: Any, prompts: list[dict], params: Any) -> dict[str, float] | None:
     """The host's share of the batch's decode steps: prefill first (until every request has its first
     token), then time the steps that follow."""
     from pagedserve.engine.output_processor import OutputKind
@@ -107,7 +107,7 @@ def run(ns: argparse.Namespace) -> int:
             before = llm.get_stats()
             times = [_iteration(llm, prompts, params) for _ in tqdm(range(ns.num_iters), desc="iterations")]
             spec = common.spec_decode_delta(before, llm.get_stats())
-            host = _decode_host_overhead(llm, prompts, params) if ns.output_len > 1 else None
+            host = decode_host_overhead(llm, prompts, params) if ns.output_len > 1 else None
             facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config)
         finally:
             llm.shutdown()

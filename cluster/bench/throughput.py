@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batch-sizes", default="8,16,32,64",
                    help="HF static batch sizes to calibrate over (the best one runs the workload)")
     p.add_argument("--hf-calibration-prompts", type=int, default=32)
+    p.add_argument("--host-overhead-batch-sizes", default="64,256",
+                   help="after the run, time decode steps at these batch sizes (32-token prompts, 16 output "
+                        "tokens) and print each one's host-overhead share ('none' skips it)")
     common.add_engine_args(p)
     common.add_output_args(p)
     p.set_defaults(bench_func=run)
@@ -73,11 +76,43 @@ def make_workload(ns: argparse.Namespace, llm: Any) -> list[BenchRequest]:
     return requests
 
 
+def host_overhead_batch_sizes(value: str) -> list[int]:
+    if value.strip().lower() in ("", "none"):
+        return []
+    try:
+        sizes = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise ValueError(f"--host-overhead-batch-sizes: expected comma-separated integers or 'none', got {value!r}")
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"--host-overhead-batch-sizes: batch sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+def decode_host_overhead(llm: Any, batch_sizes: list[int], seed: int) -> dict[str, dict[str, float] | None]:
+    """The host's share of a decode step at each batch size: a batch of 32-token prompts is prefilled, then
+    its 16 decode steps are timed (the engine's own step and model clocks)."""
+    from pagedserve.cluster.bench.latency import decode_host_overhead as measure
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    ids = vocab_token_ids(llm.get_tokenizer(), llm.llm_engine.config.hf_config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    max_num_seqs = llm.llm_engine.config.max_num_seqs
+    figures: dict[str, dict[str, float] | None] = {}
+    for batch in batch_sizes:
+        if batch > max_num_seqs:  # its requests could never all decode in one step
+            figures[str(batch)] = None
+            continue
+        requests = synthetic(batch, (32, 32), (16, 16), seed, ids)
+        figures[str(batch)] = measure(llm, [{"prompt_token_ids": r.prompt_token_ids} for r in requests], params)
+    return figures
+
+
 def check_args(ns: argparse.Namespace) -> None:
     common.positive("--num-prompts", ns.num_prompts)
     common.positive("--prefix-len", ns.prefix_len, minimum=0)
     common.positive("--num-prefixes", ns.num_prefixes)
     common.positive("--hf-calibration-prompts", ns.hf_calibration_prompts)
+    host_overhead_batch_sizes(ns.host_overhead_batch_sizes)
     if ns.workload == "repeat" and (ns.dataset or ns.prefix_len):
         raise ValueError("--workload: repeat builds its own prompts; leave out --dataset and --prefix-len")
 
@@ -111,6 +146,7 @@ def run(ns: argparse.Namespace) -> int:
             stats = llm.get_stats()
             host = common.host_overhead(before, stats)
             spec = common.spec_decode_delta(before, stats)
+            decode_host = decode_host_overhead(llm, host_overhead_batch_sizes(ns.host_overhead_batch_sizes), ns.seed)
         finally:
             llm.shutdown()
             del llm
@@ -142,6 +178,8 @@ def run(ns: argparse.Namespace) -> int:
         runs.append(ours)
         summary.update(prefix_cache_hit_rate=stats.prefix_cache_hit_rate if stats.prefix_cache_queries else None,
                        preemptions=stats.num_preemptions, model_dtype=facts.dtype)
+        if decode_host:
+            summary["decode_host_overhead"] = decode_host
         if ns.baseline == "hf":
             torch_dtype = resolve_dtype(ns.dtype, hf_config, "cpu")
             pad = int(getattr(hf_config, "pad_token_id", None) or 0)
@@ -174,6 +212,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.speculative_config:
         parts.append(common.spec_decode_line(spec, ns.speculative_config))
     parts.append(common.host_overhead_line(host, "pagedserve's engine steps (whole run)"))
+    parts += [common.host_overhead_line(f, f"a decode step at batch {b}") for b, f in decode_host.items()]
     parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]
     common.finish(report, ns, "\n\n".join(parts))
     return 0
