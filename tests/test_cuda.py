@@ -57,6 +57,7 @@ def test_decode_cuda_graphs_replay_what_the_eager_forward_computes(tiny_model_fa
     tokens when the engine's decode steps replay them, and its hidden states for a padded batch."""
     from pagedserve.engine.worker.attention_metadata import AttentionMetadata
     from pagedserve.engine.worker.cuda_graphs import CUDAGraphRunner
+    from tests.test_cuda_graphs import route_through_runner_graphs
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
     llm = _llm(model, kv_cache_memory="256MiB", max_model_len=2048, max_num_seqs=8, enforce_eager=True,
@@ -69,16 +70,7 @@ def test_decode_cuda_graphs_replay_what_the_eager_forward_computes(tiny_model_fa
     graphs = CUDAGraphRunner(runner.model, runner.kv_caches, config, runner.device)
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
-    forward, routed = runner.model.forward, []
-
-    def forward_with_graphs(input_ids, positions, kv_caches, md, intermediate=None, kv_hooks=None):
-        if graphs.can_run(positions.shape[0], md, has_intermediate=intermediate is not None,
-                          has_kv_hooks=kv_hooks is not None):
-            routed.append(md.num_decodes)
-            return graphs.run(input_ids, positions, md)
-        return forward(input_ids, positions, kv_caches, md, intermediate=intermediate, kv_hooks=kv_hooks)
-
-    monkeypatch.setattr(runner.model, "forward", forward_with_graphs)
+    routed = route_through_runner_graphs(runner, graphs, monkeypatch)
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert graphed == eager
     assert 3 in routed

@@ -216,6 +216,21 @@ def test_padded_decode_matches_the_unpadded_batch_and_writes_only_real_slots(llm
             assert not torch.equal(now[real], old[real])  # the real rows did write
 
 
+def route_through_runner_graphs(runner, graphs, monkeypatch) -> list[int]:
+    """Install `graphs` as the runner's own graph runner (what execute_model consults for decode-only
+    steps) and record the batch size of every step it replays."""
+    routed: list[int] = []
+    run = graphs.run
+
+    def recording_run(input_ids, positions, md):
+        routed.append(md.num_decodes)
+        return run(input_ids, positions, md)
+
+    monkeypatch.setattr(graphs, "run", recording_run)
+    monkeypatch.setattr(runner, "graphs", graphs)
+    return routed
+
+
 def test_engine_decode_steps_through_the_padded_path_generate_the_same_tokens(llm, monkeypatch):
     prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (5, 9, 14)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -224,16 +239,7 @@ def test_engine_decode_steps_through_the_padded_path_generate_the_same_tokens(ll
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     graphs = CUDAGraphRunner(runner.model, runner.kv_caches, runner.config, runner.device, replay_eagerly=True)
     graphs.capture()
-    forward, routed = runner.model.forward, []
-
-    def forward_with_graphs(input_ids, positions, kv_caches, md, intermediate=None, kv_hooks=None):
-        if graphs.can_run(positions.shape[0], md, has_intermediate=intermediate is not None,
-                          has_kv_hooks=kv_hooks is not None):
-            routed.append(md.num_decodes)
-            return graphs.run(input_ids, positions, md)
-        return forward(input_ids, positions, kv_caches, md, intermediate=intermediate, kv_hooks=kv_hooks)
-
-    monkeypatch.setattr(runner.model, "forward", forward_with_graphs)
+    routed = route_through_runner_graphs(runner, graphs, monkeypatch)
     padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert padded == eager
     assert 3 in routed  # three decodes ran padded to four

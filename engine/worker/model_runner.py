@@ -247,15 +247,19 @@ class ModelRunner:
     def _propose_drafts(self, so: SchedulerOutput) -> dict[str, list[int]]:
         """Draft tokens for this step's speculating requests (the draft model also catches up over
         every scheduled request's tokens, so its cache stays in step with the target's)."""
-        if self.speculator is None or (not so.num_spec_tokens and self.speculator.draft is None):
+        if self.speculator is None:
             return {}
+        if self.speculator.draft is None:  # n-gram: only the speculating requests, read from their rows
+            rids = list(so.num_spec_tokens)
+            return self.speculator.propose_ngram(rids, [self.input_batch.tokens_of(r) for r in rids],
+                                                 [so.num_spec_tokens[r] for r in rids])
         scheduled = []
         num_computed = self.input_batch.num_computed
         for rid, n in so.num_scheduled_tokens.items():
             k = so.num_spec_tokens.get(rid, 0)
             end = int(num_computed[self.input_batch.row_of[rid]]) + (1 if rid in so.num_spec_tokens else n)
             scheduled.append((rid, self.requests[rid].token_ids, end, self.input_batch.blocks_of(rid).tolist(), k))
-        return self.speculator.propose(scheduled)
+        return self.speculator.propose_draft_model(scheduled)
 
     def _plan_batch(self, so: SchedulerOutput, drafts: dict[str, list[int]]) -> _Batch:
         """Order the step decodes first (each group in schedule order) and find the rows that sample:

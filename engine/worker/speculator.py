@@ -62,20 +62,19 @@ class Speculator:
 
     # ------------------------------------------------------------------ proposing
 
-    def propose(self, scheduled: list[tuple[str, list[int], int, list[int], int]]) -> dict[str, list[int]]:
+    def propose_ngram(self, req_ids: list[str], token_ids: list[np.ndarray], limits: list[int]) -> dict[str, list[int]]:
+        """Prompt-lookup drafts (at most `limits[i]`) for the speculating requests; those without a match
+        are left out."""
+        assert self.ngram is not None
+        proposals = self.ngram.propose_batch(token_ids, limits)
+        return {rid: list(p) for rid, p in zip(req_ids, proposals) if p}
+
+    def propose_draft_model(self, scheduled: list[tuple[str, list[int], int, list[int], int]]) -> dict[str, list[int]]:
         """`scheduled`: (req_id, verified token ids, end of this step's target computation, block ids,
-        drafts allowed) for every request of the step. Returns the drafts of the requests that got any."""
-        if self.draft is not None:
-            drafts = self.draft.step([DraftWork(*s) for s in scheduled])
-        else:
-            assert self.ngram is not None
-            drafts = {}
-            for req_id, token_ids, _, _, k in scheduled:
-                if k > 0:
-                    proposal = self.ngram.propose(np.asarray(token_ids, dtype=np.int64), k)
-                    if proposal:
-                        drafts[req_id] = list(proposal)
-        return {rid: d for rid, d in drafts.items() if d}
+        drafts allowed) for every request of the step: the draft catches up over all of them and
+        proposes for those allowed drafts."""
+        assert self.draft is not None
+        return {rid: d for rid, d in self.draft.step([DraftWork(*s) for s in scheduled]).items() if d}
 
     # ------------------------------------------------------------------ verifying
 
