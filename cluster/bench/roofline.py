@@ -217,7 +217,7 @@ def probe(bandwidth_bytes: int = DEFAULT_BANDWIDTH_BYTES, matmul_side: int = DEF
     dst.copy_(src)  # fault the pages in
     seconds = _best_of(lambda: dst.copy_(src), repeats)
     bandwidth = 2 * src.numel() * src.element_size() / seconds
-    del src, dst
+    src = dst = None  # free the buffers before the matmul probes
     flops: dict[str, float] = {}
     n = matmul_side
     for name in dtypes:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.metrics import ServingMetrics
 from pagedserve.cluster.serving.context import current_request_id
-from pagedserve.cluster.serving.errors import APIError, bad_request, engine_error, error_body
+from pagedserve.cluster.serving.errors import APIError, bad_request, engine_error
 from pagedserve.cluster.serving.formatting import sse
 from pagedserve.cluster.serving.requests import SamplingRequest
 from pagedserve.cluster.serving.settings import ServeArgs
