@@ -25,7 +25,10 @@ USER root
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-USER ray
+# Back to the base image's `ray` user, by number (uid 1000, gid 100) so that Kubernetes' runAsNonRoot can
+# verify it; the KubeRay manifests run the pods as this uid. /home/ray (the CPU ops' build cache in
+# ~/.cache/pagedserve) and /tmp stay writable for it.
+USER 1000:100
 WORKDIR /home/ray
 
 # torch first, pinned, from the CPU index by default, so pip never pulls a multi-GB CUDA build by accident.

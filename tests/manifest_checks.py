@@ -5,6 +5,9 @@
 - KubeRay RayCluster / RayService: the CRD's v1 `openAPIV3Schema` (tests/schemas/kuberay/), applied as
   the API server does: drop null-valued keys, fill in `default`s, and (beyond what the server rejects)
   refuse keys the schema does not list, so a misspelled key fails instead of being pruned silently.
+- NetworkPolicy (the second document of each KubeRay manifest): the networking.k8s.io/v1 schema
+  (tests/schemas/kubernetes/) plus the API server's own validation of it (label syntax, selector
+  operators, ports, peers, policyTypes).
 - Ray Serve configs: `ServeDeploySchema`, every `import_path` imported, every `args` block built
   through the app builder.
 - Versions: image tags, `rayVersion`, the Dockerfile's base image and torch pin against pyproject.toml,
@@ -19,6 +22,7 @@ import copy
 import functools
 import gzip
 import importlib
+import ipaddress
 import json
 import re
 import tomllib
@@ -30,6 +34,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
 KUBERAY_SCHEMAS = Path(__file__).resolve().parent / "schemas" / "kuberay"
+KUBERNETES_SCHEMAS = Path(__file__).resolve().parent / "schemas" / "kubernetes"
+RAY_KINDS = ("RayCluster", "RayService")
 # The fixed path of the default model inside the image (Dockerfile) and on `ray up` nodes (setup_commands
 # link the GGUF of the Makefile's DEFAULT_MODEL_PKG there).
 IMAGE_MODEL_DIR = "/home/ray/models/pagedserve-default"
@@ -45,6 +51,19 @@ class ManifestError(AssertionError):
 
 def load_yaml(path: Path) -> Any:
     return yaml.safe_load(path.read_text())
+
+
+def load_yaml_documents(path: Path) -> list[Any]:
+    """Every document of a multi-document YAML file (`---`), as `kubectl apply -f` reads it."""
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def ray_object(documents: list[dict]) -> dict:
+    """The one RayCluster or RayService of a KubeRay manifest's documents."""
+    found = [d for d in documents if d.get("kind") in RAY_KINDS]
+    if len(found) != 1:
+        raise ManifestError(f"expected one RayCluster or RayService, found {[d.get('kind') for d in documents]}")
+    return found[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,8 +130,11 @@ def ray_up_view(config: dict) -> dict:
 
 
 def check_ray_up_files(config: dict) -> None:
-    """Every file mount's source exists relative to the repository root (where `ray up` is run)."""
+    """Every file mount's source exists relative to the repository root (where `ray up` is run); a source in
+    the operator's home (`~/...`, the Ray auth token) is theirs to make, and `ray up` stops without it."""
     for target, source in config.get("file_mounts", {}).items():
+        if source.startswith("~/"):
+            continue
         if not (ROOT / source).exists():
             raise ManifestError(f"file_mounts[{target!r}]: {source!r} does not exist under {ROOT}")
 
@@ -231,12 +253,16 @@ def fill_defaults(value: Any, schema: dict) -> Any:
 
 
 def as_api_server_stores(manifest: dict) -> dict:
-    """Validate a KubeRay object against its CRD; returns it with nulls dropped and defaults filled."""
+    """Validate a KubeRay object against its CRD, or a NetworkPolicy against the Kubernetes API's schema and
+    rules; returns it with nulls dropped and defaults filled."""
     import jsonschema
 
     kind = manifest.get("kind")
-    if manifest.get("apiVersion") != "ray.io/v1" or kind not in ("RayCluster", "RayService"):
-        raise ManifestError(f"apiVersion/kind {manifest.get('apiVersion')}/{kind}: expected ray.io/v1 RayCluster|RayService")
+    if manifest.get("apiVersion") == "networking.k8s.io/v1" and kind == "NetworkPolicy":
+        return network_policy_stored(manifest)
+    if manifest.get("apiVersion") != "ray.io/v1" or kind not in RAY_KINDS:
+        raise ManifestError(f"apiVersion/kind {manifest.get('apiVersion')}/{kind}: expected ray.io/v1 RayCluster|RayService "
+                            "or networking.k8s.io/v1 NetworkPolicy")
     name = (manifest.get("metadata") or {}).get("name", "")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
         raise ManifestError(f"metadata.name {name!r}: must be a DNS-1123 label (KubeRay names Services and labels after it)")
@@ -246,6 +272,126 @@ def as_api_server_stores(manifest: dict) -> dict:
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path)
         raise ManifestError(f"{kind} {name}: {where or '<top>'}: {error.message}")
+    return stored
+
+
+# --------------------------------------------------------------------------- NetworkPolicy
+
+
+@functools.lru_cache(maxsize=None)
+def network_policy_schema() -> dict:
+    return json.loads((KUBERNETES_SCHEMAS / "networkpolicy.networking.v1.json").read_text())
+
+
+def kuberay_ingress_rule_schema() -> dict:
+    """The KubeRay CRD's own copy of Kubernetes' NetworkPolicyIngressRule (its spec.networkPolicy field,
+    generated from k8s.io/api/networking/v1), closed: an independent check of the hand-written schema's rules."""
+    spec = kuberay_schema("RayCluster")["properties"]["spec"]["properties"]
+    return spec["networkPolicy"]["properties"]["head"]["properties"]["ingressRules"]["items"]
+
+
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_IANA_SERVICE_NAME = re.compile(r"(?=.*[a-z])[a-z0-9]([a-z0-9]|-(?!-))*[a-z0-9]|[a-z]")
+
+
+def check_label(key: str, value: str, where: str) -> None:
+    """A label key ([DNS-subdomain prefix/]name) and value as the API server validates them."""
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        raise ManifestError(f"{where}: label key {key!r}: the prefix must be a DNS subdomain")
+    if not (len(name) <= 63 and _LABEL_NAME.fullmatch(name)):
+        raise ManifestError(f"{where}: label key {key!r}: the name must be 1-63 alphanumerics, '-', '_' or '.'")
+    if value and not (len(value) <= 63 and _LABEL_NAME.fullmatch(value)):
+        raise ManifestError(f"{where}: label value {value!r} for {key!r}: 0-63 alphanumerics, '-', '_' or '.'")
+
+
+def check_label_selector(selector: dict, where: str) -> None:
+    for key, value in (selector.get("matchLabels") or {}).items():
+        check_label(key, value, f"{where}.matchLabels")
+    for i, requirement in enumerate(selector.get("matchExpressions") or []):
+        at = f"{where}.matchExpressions[{i}]"
+        check_label(requirement["key"], "", at)
+        values = requirement.get("values") or []
+        if requirement["operator"] in ("In", "NotIn") and not values:
+            raise ManifestError(f"{at}: operator {requirement['operator']} needs values")
+        if requirement["operator"] in ("Exists", "DoesNotExist") and values:
+            raise ManifestError(f"{at}: operator {requirement['operator']} takes no values")
+        for value in values:
+            check_label(requirement["key"], value, at)
+
+
+def _check_policy_port(port: dict, where: str) -> None:
+    number = port.get("port")
+    if isinstance(number, int):
+        if not 1 <= number <= 65535:
+            raise ManifestError(f"{where}.port {number}: must be 1-65535")
+    elif number is not None and not (len(number) <= 15 and _IANA_SERVICE_NAME.fullmatch(number)):
+        raise ManifestError(f"{where}.port {number!r}: neither a number nor a named port (IANA service name)")
+    if "endPort" in port:
+        if not isinstance(number, int):
+            raise ManifestError(f"{where}.endPort: needs a numeric port")
+        if not number <= port["endPort"] <= 65535:
+            raise ManifestError(f"{where}.endPort {port['endPort']}: must be between port {number} and 65535")
+
+
+def _check_policy_peer(peer: dict, where: str) -> None:
+    if not peer:
+        raise ManifestError(f"{where}: a peer needs podSelector, namespaceSelector or ipBlock")
+    if "ipBlock" in peer:
+        if len(peer) > 1:
+            raise ManifestError(f"{where}: ipBlock cannot be combined with a selector")
+        try:
+            network = ipaddress.ip_network(peer["ipBlock"]["cidr"], strict=False)
+            for excluded in peer["ipBlock"].get("except") or []:
+                if not ipaddress.ip_network(excluded, strict=False).subnet_of(network):
+                    raise ManifestError(f"{where}.ipBlock.except {excluded!r}: not within {network}")
+        except (ValueError, TypeError) as exc:
+            raise ManifestError(f"{where}.ipBlock: {exc}") from None
+    for key in ("podSelector", "namespaceSelector"):
+        if key in peer:
+            check_label_selector(peer[key], f"{where}.{key}")
+
+
+def check_network_policy_rules(spec: dict, name: str) -> None:
+    """The API server's validation of a NetworkPolicySpec beyond its schema (ValidateNetworkPolicySpec)."""
+    check_label_selector(spec["podSelector"], f"NetworkPolicy {name}: spec.podSelector")
+    types = spec.get("policyTypes", [])
+    if len(set(types)) != len(types):
+        raise ManifestError(f"NetworkPolicy {name}: spec.policyTypes {types}: duplicates")
+    for direction, peers_key in (("ingress", "from"), ("egress", "to")):
+        for i, rule in enumerate(spec.get(direction) or []):
+            at = f"NetworkPolicy {name}: spec.{direction}[{i}]"
+            for j, port in enumerate(rule.get("ports") or []):
+                _check_policy_port(port, f"{at}.ports[{j}]")
+            for j, peer in enumerate(rule.get(peers_key) or []):
+                _check_policy_peer(peer, f"{at}.{peers_key}[{j}]")
+
+
+def network_policy_stored(policy: dict) -> dict:
+    """Validate a NetworkPolicy against the networking.k8s.io/v1 schema and the API server's rules; returns it
+    with nulls dropped and the server's defaults filled (protocol TCP; policyTypes from the rules present)."""
+    import jsonschema
+
+    name = (policy.get("metadata") or {}).get("name", "")
+    if not _DNS_SUBDOMAIN.fullmatch(name) or len(name) > 253:
+        raise ManifestError(f"NetworkPolicy metadata.name {name!r}: must be a DNS subdomain")
+    stored = drop_nulls(policy)
+    schema = network_policy_schema()
+    error = jsonschema.exceptions.best_match(jsonschema.Draft4Validator(schema).iter_errors(stored))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path)
+        raise ManifestError(f"NetworkPolicy {name}: {where or '<top>'}: {error.message}")
+    for key, value in (stored["metadata"].get("labels") or {}).items():
+        check_label(key, value, f"NetworkPolicy {name}: metadata.labels")
+    spec = stored["spec"]
+    check_network_policy_rules(spec, name)
+    for direction in ("ingress", "egress"):
+        for rule in spec.get(direction) or []:
+            for port in rule.get("ports") or []:
+                port.setdefault("protocol", "TCP")
+    if "policyTypes" not in spec:
+        spec["policyTypes"] = ["Ingress"] + (["Egress"] if spec.get("egress") else [])
     return stored
 
 

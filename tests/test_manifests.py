@@ -1,7 +1,9 @@
 """Deployment files validated as their consumers read them: `ray up` cluster YAML (Ray's loader and
-schema), KubeRay RayCluster/RayService (the CRDs' schemas, as the API server applies them), Serve configs
-(Serve's schema and the app builder), the Dockerfile and every version tag; and the Serve app's resource
-demand against what each cluster's nodes offer. Each check has a broken copy that must fail.
+schema), KubeRay RayCluster/RayService (the CRDs' schemas, as the API server applies them) and their
+NetworkPolicies (the Kubernetes schema and rules), Serve configs (Serve's schema and the app builder), the
+Dockerfile and every version tag; the Serve app's resource demand against what each cluster's nodes offer;
+and what the files lock down (required Secrets, container hardening, Ray auth, the NetworkPolicy's
+reach). Each check has a broken copy that must fail.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import yaml
 from tests.manifest_checks import (
     IMAGE_MODEL_DIR, MANIFESTS, ROOT, ManifestError, app_args, as_api_server_stores, build_serve_app,
     check_default_model_install, check_dockerfile, check_kuberay_versions, check_ray_up_files, check_ray_up_versions,
-    cluster_spec, expected_image, load_yaml, node_setup_commands, project_versions, ray_up_view, serve_configs_of,
-    serve_deploy_paths, validate_serve_config,
+    cluster_spec, expected_image, kuberay_ingress_rule_schema, load_yaml, load_yaml_documents, node_setup_commands,
+    pod_groups, project_versions, ray_object, ray_up_view, serve_configs_of, serve_deploy_paths, validate_serve_config,
 )
 from tests.manifest_resources import app_demand, check_fit, engine_demand, kuberay_nodes, pod_offer, ray_up_nodes
+from tests.manifest_security import DEPLOYMENT_LABEL, check_kuberay_security, check_ray_up_auth, image_user
 
 RAY_UP = ["ray-cluster-aws.yaml", "ray-cluster-local.yaml"]
 KUBERAY = ["raycluster-cpu.yaml", "rayservice-cpu.yaml", "rayservice-gpu.yaml", "rayservice-pd.yaml"]
@@ -28,13 +31,25 @@ RAYCLUSTER_SERVE_CONFIG = {"raycluster-cpu.yaml": MANIFESTS / "kuberay" / "serve
 
 
 @functools.lru_cache(maxsize=None)
+def _documents(path: Path) -> list:
+    return load_yaml_documents(path)
+
+
 def _parsed(path: Path) -> object:
-    return load_yaml(path)
+    """A single-document file (Serve configs, `ray up` configs), parsed once."""
+    (document,) = _documents(path)
+    return document
+
+
+def manifest_documents(relative: str) -> list[dict]:
+    """Fresh (mutable) copies of every document of a manifest; parsing is cached."""
+    return copy.deepcopy(_documents(MANIFESTS / relative))
 
 
 def manifest(relative: str) -> dict:
-    """A fresh (mutable) copy of a parsed manifest; parsing is cached."""
-    return copy.deepcopy(_parsed(MANIFESTS / relative))
+    """A fresh copy of a manifest's main object: its only document, or its RayCluster/RayService."""
+    documents = manifest_documents(relative)
+    return documents[0] if len(documents) == 1 else ray_object(documents)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +161,11 @@ def test_ray_up_engine_bigger_than_a_node_fails(serve_app, tiny_llama):
 
 @pytest.mark.parametrize("name", KUBERAY)
 def test_kuberay_manifest_is_what_the_api_server_accepts(name):
-    obj = manifest(f"kuberay/{name}")
+    documents = manifest_documents(f"kuberay/{name}")
+    assert "NetworkPolicy" in {d["kind"] for d in documents}, f"{name}: no NetworkPolicy beside the cluster"
+    for document in documents:  # `kubectl apply -f` sends every document of the file
+        as_api_server_stores(document)
+    obj = ray_object(documents)
     stored = as_api_server_stores(obj)
     check_kuberay_versions(stored)
     if obj["kind"] == "RayService":
@@ -254,6 +273,220 @@ def test_kuberay_ray_start_params_must_match_pod_limits():
         pod_offer("gpu-workers", dict(group["rayStartParams"], **{"num-gpus": "2"}), pod)
     with pytest.raises(ManifestError, match="num-cpus"):
         pod_offer("gpu-workers", dict(group["rayStartParams"], **{"num-cpus": "16"}), pod)
+
+
+# --------------------------------------------------------------------------- what the KubeRay manifests lock down
+
+
+def stored_documents(documents: list[dict]) -> list[dict]:
+    return [as_api_server_stores(d) for d in documents]
+
+
+@pytest.mark.parametrize("name", KUBERAY)
+def test_kuberay_manifest_is_locked_down(name):
+    """Required Secrets in every Ray pod, hardened and bounded containers, Ray auth, a NetworkPolicy."""
+    check_kuberay_security(stored_documents(manifest_documents(f"kuberay/{name}")), name)
+
+
+def _spec(documents: list[dict]) -> dict:
+    return cluster_spec(ray_object(documents))
+
+
+def _pod(documents: list[dict], group: str) -> dict:
+    spec = _spec(documents)
+    if group == "head":
+        return spec["headGroupSpec"]["template"]["spec"]
+    return next(g for g in spec["workerGroupSpecs"] if g["groupName"] == group)["template"]["spec"]
+
+
+def _container(documents: list[dict], group: str) -> dict:
+    return _pod(documents, group)["containers"][0]
+
+
+def _env(documents: list[dict], group: str, name: str) -> dict:
+    return next(e for e in _container(documents, group)["env"] if e["name"] == name)
+
+
+def _drop_env(documents: list[dict], group: str, name: str) -> None:
+    container = _container(documents, group)
+    container["env"] = [e for e in container["env"] if e["name"] != name]
+
+
+def _policy(documents: list[dict]) -> dict:
+    return next(d for d in documents if d["kind"] == "NetworkPolicy")
+
+
+def _ingress_rule(documents: list[dict], port: int) -> dict:
+    """The policy's ingress rule that names `port`."""
+    return next(r for r in _policy(documents)["spec"]["ingress"] if any(p.get("port") == port for p in r.get("ports", [])))
+
+
+LOCKDOWN_BREAKS = {
+    "api-key-secret-optional": (
+        lambda d: _env(d, "head", "PAGEDSERVE_API_KEY")["valueFrom"]["secretKeyRef"].__setitem__("optional", True),
+        "optional: true"),
+    "decode-worker-without-kv-secret": (lambda d: _drop_env(d, "decode-workers", "PAGEDSERVE_KV_SECRET"),
+                                        "decode-workers.*PAGEDSERVE_KV_SECRET"),
+    "prefill-worker-without-api-key": (lambda d: _drop_env(d, "prefill-workers", "PAGEDSERVE_API_KEY"),
+                                       "prefill-workers.*PAGEDSERVE_API_KEY"),
+    "head-without-kv-secret": (lambda d: _drop_env(d, "head", "PAGEDSERVE_KV_SECRET"), "head.*PAGEDSERVE_KV_SECRET"),
+    "api-key-from-another-secret": (
+        lambda d: _env(d, "head", "PAGEDSERVE_API_KEY")["valueFrom"]["secretKeyRef"].__setitem__("name", "mine"),
+        "expected pagedserve-api-key/api-key"),
+    "worker-without-securityContext": (lambda d: _container(d, "decode-workers").pop("securityContext"),
+                                       "decode-workers/ray-worker: no securityContext"),
+    "runs-as-root": (lambda d: _container(d, "head")["securityContext"].__setitem__("runAsUser", 0), "runAsUser"),
+    "root-allowed": (lambda d: _container(d, "head")["securityContext"].__setitem__("runAsNonRoot", False),
+                     "runAsNonRoot"),
+    "privilege-escalation": (
+        lambda d: _container(d, "prefill-workers")["securityContext"].__setitem__("allowPrivilegeEscalation", True),
+        "allowPrivilegeEscalation"),
+    "capability-added": (
+        lambda d: _container(d, "head")["securityContext"].__setitem__("capabilities", {"drop": ["ALL"], "add": ["NET_RAW"]}),
+        "capabilities"),
+    "seccomp-unconfined": (
+        lambda d: [_pod(d, "head")["securityContext"].__setitem__("seccompProfile", {"type": "Unconfined"}),
+                   _container(d, "head")["securityContext"].pop("seccompProfile")],
+        "seccompProfile"),
+    "no-memory-limit": (lambda d: _container(d, "decode-workers")["resources"]["limits"].pop("memory"),
+                        r"resources.limits lacks \['memory'\]"),
+    "sidecar-unhardened": (
+        lambda d: _pod(d, "head")["containers"].append({"name": "log-tail", "image": "busybox:1.36"}),
+        "head/log-tail: no securityContext"),
+    "autoscaler-unhardened": (lambda d: _spec(d)["autoscalerOptions"].pop("securityContext"),
+                              "autoscaler.*no securityContext"),
+    "autoscaler-unbounded": (lambda d: _spec(d)["autoscalerOptions"].pop("resources"), "autoscaler.*resources"),
+    "ray-auth-off": (lambda d: _spec(d)["authOptions"].__setitem__("mode", "disabled"), "authOptions.mode"),
+    "ray-auth-env-disabled": (lambda d: _env(d, "decode-workers", "RAY_AUTH_MODE").__setitem__("value", "disabled"),
+                              "RAY_AUTH_MODE 'disabled'"),
+    "no-network-policy": (lambda d: d.remove(_policy(d)), "no NetworkPolicy next to"),
+    "policy-covers-the-head-only": (
+        lambda d: _policy(d)["spec"]["podSelector"]["matchLabels"].__setitem__("ray.io/node-type", "head"),
+        "prefill-workers: no NetworkPolicy"),
+    "policy-for-egress-only": (lambda d: _policy(d)["spec"].__setitem__("policyTypes", ["Egress"]),
+                               "no NetworkPolicy \\(Ingress\\)"),
+    "pod-template-unlabelled": (
+        lambda d: ray_object(d)["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"]["metadata"].pop("labels"),
+        f"decode-workers: the pod template lacks the label {DEPLOYMENT_LABEL}"),
+    "gcs-open-to-everyone": (lambda d: _ingress_rule(d, 8000)["ports"].append({"protocol": "TCP", "port": 6379}),
+                             r"admits ports \[6379\] from outside"),
+    "namespace-gets-every-port": (
+        lambda d: _policy(d)["spec"]["ingress"].append({"from": [{"namespaceSelector": {}}]}),
+        "admits every port from outside"),
+    "own-pods-on-gcs-only": (
+        lambda d: _policy(d)["spec"]["ingress"][0].__setitem__("ports", [{"port": 6379}]),
+        "own pods on every port"),
+    "no-serve-port": (lambda d: _policy(d)["spec"]["ingress"].remove(_ingress_rule(d, 8000)), "Serve port 8000"),
+    "operator-on-every-port": (lambda d: _ingress_rule(d, 8265).pop("ports"), "operator may reach the dashboard"),
+}
+
+
+@pytest.mark.parametrize("break_it", LOCKDOWN_BREAKS, ids=list(LOCKDOWN_BREAKS))
+def test_kuberay_lockdown_broken_copy_fails(break_it):
+    documents = manifest_documents("kuberay/rayservice-pd.yaml")  # head + two worker groups
+    mutate, match = LOCKDOWN_BREAKS[break_it]
+    mutate(documents)
+    stored = stored_documents(documents)
+    with pytest.raises(ManifestError, match=match):
+        check_kuberay_security(stored, "broken rayservice-pd")
+
+
+def test_kuberay_raycluster_admits_no_operator():
+    """A plain RayCluster is deployed to through `kubectl port-forward`: its policy opens the dashboard to nobody."""
+    documents = manifest_documents("kuberay/raycluster-cpu.yaml")
+    _policy(documents)["spec"]["ingress"].append({
+        "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}],
+        "ports": [{"protocol": "TCP", "port": 8265}]})
+    with pytest.raises(ManifestError, match="only a RayService"):
+        check_kuberay_security(stored_documents(documents), "raycluster-cpu")
+
+
+def test_manifests_run_as_the_images_user():
+    uid, gid = image_user()
+    assert (uid, gid) == (1000, 100)  # the base image's `ray` user, which owns /home/ray
+    for name in KUBERAY:
+        for _, _, pod in pod_groups(cluster_spec(manifest(f"kuberay/{name}"))):
+            assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (uid, gid), name
+
+
+@pytest.mark.parametrize("user, match", [("root", "numeric"), ("0:0", "root"), ("ray", "numeric")])
+def test_dockerfile_running_as_root_or_a_name_fails(user, match):
+    text = (ROOT / "Dockerfile").read_text().replace("USER 1000:100", f"USER {user}")
+    with pytest.raises(ManifestError, match=match):
+        image_user(text)
+    with pytest.raises(ManifestError, match="no USER"):
+        image_user("FROM scratch\n")
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda p: p["spec"].__setitem__("podSelecter", p["spec"].pop("podSelector")), "podSelecter"),
+    (lambda p: p["spec"]["ingress"][1]["ports"][0].__setitem__("port", 70000), "1-65535"),
+    (lambda p: p["spec"]["ingress"][1]["ports"][0].__setitem__("protocol", "tcp"), "'tcp' is not one of"),
+    (lambda p: p["spec"]["ingress"][1]["ports"][0].__setitem__("port", "http--alt"), "named port"),
+    (lambda p: p["spec"]["ingress"][1]["ports"][0].__setitem__("endPort", 7000), "endPort"),
+    (lambda p: p["spec"]["podSelector"].__setitem__("matchExpressions", [{"key": "a", "operator": "In"}]), "needs values"),
+    (lambda p: p["spec"]["podSelector"]["matchLabels"].__setitem__("bad key", "x"), "label key"),
+    (lambda p: p["spec"]["ingress"][0]["from"].append({}), "a peer needs"),
+    (lambda p: p["spec"]["ingress"][0]["from"].append({"ipBlock": {"cidr": "10.0.0.0/33"}}), "ipBlock"),
+    (lambda p: p["spec"].__setitem__("policyTypes", ["Ingress", "Ingress"]), "duplicates"),
+    (lambda p: p.__setitem__("apiVersion", "networking.k8s.io/v2"), "apiVersion/kind"),
+], ids=["misspelled-key", "port-range", "protocol-case", "bad-port-name", "endPort-below-port", "In-without-values",
+        "bad-label-key", "empty-peer", "bad-cidr", "duplicate-policy-type", "unknown-version"])
+def test_network_policy_the_api_server_would_reject_fails(mutate, match):
+    policy = _policy(manifest_documents("kuberay/rayservice-cpu.yaml"))
+    mutate(policy)
+    with pytest.raises(ManifestError, match=match):
+        as_api_server_stores(policy)
+
+
+def test_network_policy_schema_agrees_with_kuberays_copy_of_the_kubernetes_types():
+    """The hand-written NetworkPolicy schema's ingress rules accept what KubeRay's generated copy of the same
+    Kubernetes type accepts (every rule of the manifests) and refuse what it refuses."""
+    import jsonschema
+
+    from tests.manifest_checks import network_policy_schema
+
+    ours = network_policy_schema()
+    ours_rule = {**ours["definitions"]["NetworkPolicyIngressRule"], "definitions": ours["definitions"]}
+    theirs = kuberay_ingress_rule_schema()
+    rules = [r for name in KUBERAY for d in manifest_documents(f"kuberay/{name}") if d["kind"] == "NetworkPolicy"
+             for r in d["spec"]["ingress"]]
+    bad = [{"form": []}, {"from": [{"podSelectors": {}}]}, {"ports": [{"port": 1, "endport": 2}]},
+           {"from": [{"ipBlock": {"except": []}}]}, {"from": [{"podSelector": {"matchExpressions": [{"key": "a"}]}}]}]
+    for rule in rules:
+        assert not list(jsonschema.Draft4Validator(ours_rule).iter_errors(rule)), rule
+        assert not list(jsonschema.Draft4Validator(theirs).iter_errors(rule)), rule
+    for rule in bad:
+        assert list(jsonschema.Draft4Validator(ours_rule).iter_errors(rule)), rule
+        assert list(jsonschema.Draft4Validator(theirs).iter_errors(rule)), rule
+
+
+# --------------------------------------------------------------------------- ray up: Ray auth
+
+
+@pytest.mark.parametrize("name", RAY_UP)
+def test_ray_up_turns_on_ray_auth(name):
+    check_ray_up_auth(manifest(name), name)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda c: c.__setitem__("worker_start_ray_commands", [x.replace("export RAY_AUTH_MODE=token; ", "")
+                                                          for x in c["worker_start_ray_commands"]]), "ray start"),
+    (lambda c: c.__setitem__("head_start_ray_commands", [x.replace("export RAY_AUTH_MODE=token; for", "for")
+                                                        for x in c["head_start_ray_commands"]]), "serve deploy"),
+    (lambda c: c.__setitem__("head_start_ray_commands", [x.replace("=token", "=disabled")
+                                                        for x in c["head_start_ray_commands"]]), "turns Ray auth off"),
+    (lambda c: c.__setitem__("head_start_ray_commands", [x.replace("--dashboard-host=127.0.0.1", "--dashboard-host=0.0.0.0")
+                                                        for x in c["head_start_ray_commands"]]), "loopback"),
+    (lambda c: c["file_mounts"].pop(next(k for k in c["file_mounts"] if k.endswith(".ray/auth_token"))), "auth token"),
+], ids=["worker-without-auth", "deploy-without-auth", "auth-disabled", "dashboard-on-all-interfaces", "no-token-file"])
+@pytest.mark.parametrize("name", RAY_UP)
+def test_ray_up_without_ray_auth_fails(name, mutate, match):
+    config = manifest(name)
+    mutate(config)
+    ray_up_view(config)  # still a config `ray up` accepts: only the auth check catches it
+    with pytest.raises(ManifestError, match=match):
+        check_ray_up_auth(config, name)
 
 
 # --------------------------------------------------------------------------- Serve configs
