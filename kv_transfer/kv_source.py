@@ -113,17 +113,17 @@ class KVSource:
         """Serve these holds from now on (until revoked or past their deadline)."""
         with self._cond:
             for grant in grants:
+                if grant.hold_id in self._holds:
+                    continue
+                sequence = hold_sequence(grant.hold_id) if isinstance(grant.hold_id, str) else None
+                if sequence is not None:
+                    if sequence <= self._last_sequence:
+                        continue  # it was registered and revoked already: never serve it again
+                    self._last_sequence = sequence  # (even if refused below: no reader need wait for it)
                 problem = self._grant_problem(grant)
                 if problem is not None:
                     logger.error("producer rank %d: ignoring hold %s: %s", self.rank, shown(grant.hold_id), problem)
                     continue
-                if grant.hold_id in self._holds:
-                    continue
-                sequence = hold_sequence(grant.hold_id)
-                if sequence is not None:
-                    if sequence <= self._last_sequence:
-                        continue  # it was registered and revoked already: never serve it again
-                    self._last_sequence = sequence
                 self._holds[grant.hold_id] = _Hold(grant)
             self._cond.notify_all()
 

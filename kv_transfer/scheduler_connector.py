@@ -115,7 +115,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self.addresses: list[Any] = []  # this engine's ranks (set once the KV cache exists)
         self.stats = KVTransferStats()
         self._loads: list[LoadJob] = []
-        self._releases: list[tuple[list[Any], str]] = []
+        self._releases: list[tuple[list[Any], str, str]] = []
         self._in_load: dict[str, LoadJob] = {}
         # Consumer: one producer hold may feed several local requests (the n children of one request);
         # it is released once the last of them has loaded (or fallen back, or finished). Keyed by
