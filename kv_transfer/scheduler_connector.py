@@ -79,7 +79,7 @@ class KVTransferStats:
     held_requests: int = 0  # producer: requests whose blocks wait for a reader (gauge)
     held_blocks: int = 0  # gauge
     expired_holds: int = 0  # producer: holds freed by the timeout instead of a release
-    refused_releases: int = 0  # producer: releases ignored (no such hold, or not its token)
+    refused_releases: int = 0  # producer: releases of a held hold without its token (ignored)
 
 
 @dataclass
@@ -292,10 +292,13 @@ class PDConnectorScheduler(KVConnectorScheduler):
 
     def _release_ok(self, hold_id: object, token: object) -> bool:
         entry = self._held.get(hold_id) if isinstance(hold_id, str) else None
-        if entry is not None and isinstance(token, str) and hmac.compare_digest(hash_token(token), entry.token_hash):
+        if entry is None:  # gone already (a reader and the router both release), or never was
+            self._refusal_log.debug("ignored a release of hold %s: no such hold", shown(hold_id))
+            return False
+        if isinstance(token, str) and hmac.compare_digest(hash_token(token), entry.token_hash):
             return True
         self.stats.refused_releases += 1
-        self._refusal_log.debug("ignored a release of hold %s: no such hold, or not its token", shown(hold_id))
+        self._refusal_log.debug("ignored a release of hold %s: not its token", shown(hold_id))
         return False
 
     def take_freeable(self) -> list[ConnectorRequest]:

@@ -335,12 +335,12 @@ def test_a_release_needs_the_holds_token():
     assert "remote_block_ids" not in params  # blocks are the producer's business
     connector.release([(hold_id, "guessed"), (hold_id, None), ("other@0", token), ("junk",), (hold_id,)])
     assert connector.take_freeable() == [] and connector.has_held
-    assert connector.snapshot_stats().refused_releases == 5
+    assert connector.snapshot_stats().refused_releases == 2  # (releases of no hold are merely ignored)
     connector.release([(hold_id, token)])
     assert connector.take_freeable() == [request] and not connector.has_held
     assert connector.build_connector_metadata().revoked == [hold_id]
-    connector.release([(hold_id, token)])  # again: the hold is gone
-    assert connector.take_freeable() == [] and connector.snapshot_stats().refused_releases == 6
+    connector.release([(hold_id, token)])  # again (a reader and the router both release): the hold is gone
+    assert connector.take_freeable() == [] and connector.snapshot_stats().refused_releases == 2
 
 
 def test_holds_reach_local_ranks_at_once_and_other_ranks_with_the_next_step():
@@ -497,7 +497,8 @@ def test_forged_kv_transfer_params_get_no_foreign_kv(tiny_llama, connector):
         producer.llm_engine.release_kv([_hold(c)])
         _drain(producer, consumer, mono)
         if connector == "inproc":  # (torch_p2p releases arrive on the transport's threads)
-            assert producer.llm_engine.get_stats().kv_transfer["refused_releases"] >= 6
+            # The readers of a's hold with b's token and of b's with a guess, and the two forged releases of b.
+            assert producer.llm_engine.get_stats().kv_transfer["refused_releases"] == 4
     finally:
         for llm in (producer, consumer, mono):
             llm.shutdown()
