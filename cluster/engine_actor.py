@@ -233,15 +233,16 @@ class EngineActor:
 
         return rank_actors(self.engine)
 
-    async def kv_read(self, rank: int, token: str, spec: Any, layers: list[int]) -> list:
-        """A PD consumer reads the KV of a rank in this process (off the event loop)."""
+    async def kv_read(self, rank: int, token: str, spec: Any, layers: list[int], auth: Any) -> list:
+        """A PD consumer reads the KV of a rank in this process (signed: cluster/pd/read_auth.py; off the
+        event loop)."""
         from pagedserve.cluster.pd.rank_server import read_local
 
-        return await asyncio.to_thread(read_local, self.engine, rank, token, spec, layers)
+        return await asyncio.to_thread(read_local, self.engine, rank, token, spec, layers, auth)
 
-    async def kv_release(self, request_id: str) -> None:
-        """A PD consumer is done with a finished prefill's KV: free its blocks."""
-        self.engine.release_kv([request_id])
+    async def kv_release(self, request_id: str, hold_token: str) -> None:
+        """A PD consumer is done with a finished prefill's KV: free its blocks (only with the hold's token)."""
+        self.engine.release_kv([(request_id, hold_token)])
 
     def shutdown(self) -> None:
         self._stopped.set()

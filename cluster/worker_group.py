@@ -133,12 +133,12 @@ class WorkerActor:
         return self.rank
 
     @ray.method(concurrency_group="kv_transfer")
-    def kv_read(self, token: str, spec: Any, layers: list[int]) -> list:
+    def kv_read(self, token: str, spec: Any, layers: list[int], auth: Any) -> list:
         """A PD consumer reads this (producer) rank's KV: `cluster.pd.rank_server`. Its own concurrency
         group, so reads never wait behind (or reorder) the steps of the default group."""
         from pagedserve.cluster.pd.rank_server import read_layers
 
-        return read_layers(self.worker, token, spec, layers)
+        return read_layers(self.worker, token, spec, layers, auth)
 
 
 RayWorkerActor = ray.remote(concurrency_groups={"kv_transfer": 2})(WorkerActor)

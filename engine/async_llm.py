@@ -137,9 +137,9 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", [request_id], None))
 
-    def release_kv(self, request_ids: list[str]) -> None:
-        """Prefill producer: readers are done with these finished requests' KV (thread-safe)."""
-        self.engine.release_kv(list(request_ids))
+    def release_kv(self, holds: list[tuple[str, str]]) -> None:
+        """Prefill producer: readers are done with these holds' KV, each (hold id, hold token) (thread-safe)."""
+        self.engine.release_kv(list(holds))
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", [request_id], None))

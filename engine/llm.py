@@ -127,6 +127,10 @@ class LLM:
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         bar.update(1)
+            # What a KV connector still owes rides on one more step (a prefill producer's hold grants to its
+            # ranks in other processes, a consumer's releases): deliver it before the outputs go out.
+            while engine.get_num_unfinished_requests() == 0 and engine.has_unfinished_requests():
+                engine.step()
         except BaseException:
             engine.abort_request([rid for rid in request_ids if rid not in finished])
             raise

@@ -96,9 +96,10 @@ class LLMEngine:
                 self._children.pop(out.request_id, None)
         return outputs
 
-    def release_kv(self, request_ids: list[str]) -> None:
-        """Prefill producer: readers are done with these requests' KV (see EngineCore.release_kv)."""
-        self.engine_core.release_kv(request_ids)
+    def release_kv(self, holds: list[tuple[str, str]]) -> None:
+        """Prefill producer: readers are done with these holds' KV, each (hold id, hold token) (see
+        EngineCore.release_kv)."""
+        self.engine_core.release_kv(holds)
 
     def free_released_kv(self) -> int:
         return self.engine_core.free_released_kv()

@@ -48,7 +48,8 @@ class KVConnectorScheduler(ABC):
 
     @property
     def has_pending_releases(self) -> bool:
-        """Releases wait for the next step's metadata: the engine must step once more even if idle."""
+        """Releases (or hold grants) wait for the next step's metadata: the engine must step once more even
+        if idle."""
         return False
 
     def take_freeable(self) -> list[ConnectorRequest]:
@@ -59,8 +60,8 @@ class KVConnectorScheduler(ABC):
     def has_held(self) -> bool:
         return False
 
-    def release(self, request_ids: list[str]) -> None:
-        """Readers are done with these kept requests (thread-safe)."""
+    def release(self, holds: list[tuple[str, str]]) -> None:
+        """Readers are done with these holds, each named by (hold id, hold token) (thread-safe)."""
 
     def load_finished(self, req_id: str, ok: bool) -> None:
         """The step that loaded `req_id` came back."""

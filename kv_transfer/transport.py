@@ -45,8 +45,9 @@ class KVTransport(ABC):
         """Start reading `spec` from the producer rank at `address`; returns at once."""
 
     @abstractmethod
-    def release(self, address: Any, remote_request_id: str) -> None:
-        """Tell the producer rank at `address` that this reader is done with the request (best effort)."""
+    def release(self, address: Any, remote_request_id: str, hold_token: str) -> None:
+        """Tell the producer rank at `address` that this reader is done with the hold (best effort; the
+        producer ignores a release without the hold's token)."""
 
     def close(self) -> None:
         """Stop serving and drop connections."""

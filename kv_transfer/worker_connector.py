@@ -1,7 +1,8 @@
 """The worker half of the prefill/decode connector: serve this rank's KV, load other engines' KV.
 
 Per step the scheduler's `ConnectorMetadata` lists the loads. `start_load_kv` starts every read at
-once (one per producer rank that holds layers/heads this rank needs); each attention layer then
+once (one per producer rank that holds layers/heads this rank needs; each names the producer's hold and
+its token, never block ids: the producer reads the hold's own blocks); each attention layer then
 waits for its own layer only (`wait_for_layer_load`), so the reads of later layers overlap the
 compute of earlier ones. A load that fails anywhere marks its request; the model runner reports it
 and the scheduler recomputes the prompt locally. The scheduler half decides when a hold may go (the
@@ -20,6 +21,7 @@ import torch
 
 from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.kv_transfer.config import KVTransferConfig
+from pagedserve.kv_transfer.holds import shown
 from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
 from pagedserve.kv_transfer.layout import KVLayout, ReadPlan, plan_reads
 from pagedserve.kv_transfer.registry import transport_class
@@ -68,10 +70,13 @@ class PDConnectorWorker(KVConnectorWorker):
         self._step_started = time.perf_counter()
         if metadata is None:
             return
-        if self.source is not None and metadata.revoked:
-            self.source.revoke(metadata.revoked)  # before this step's forward pass may reuse their blocks
-        for addresses, remote_id in metadata.releases:
-            self._release(addresses, remote_id)
+        if self.source is not None:
+            if metadata.registered:
+                self.source.register(metadata.registered)
+            if metadata.revoked:
+                self.source.revoke(metadata.revoked)  # before this step's forward pass may reuse their blocks
+        for addresses, remote_id, token in metadata.releases:
+            self._release(addresses, remote_id, token)
         for job in metadata.loads:
             load = _ActiveLoad(job, self._local_slots(job))
             self._active.append(load)
@@ -80,14 +85,13 @@ class PDConnectorWorker(KVConnectorWorker):
                 remote_layout = KVLayout.from_dict(remote["remote_layout"])
                 for plan in plan_reads(self.layout, self.rank, remote_layout):
                     spec = ReadSpec(
-                        remote_request_id=remote["remote_request_id"],
-                        block_ids=tuple(remote["remote_block_ids"]),
+                        remote_request_id=str(remote["remote_request_id"]),
+                        hold_token=str(remote["remote_hold_token"]),
                         token_start=job.token_start,
                         token_end=job.token_end,
-                        layers=plan.layers,
+                        layers=tuple(plan.layers),
                         head_start=plan.heads.start,
                         head_end=plan.heads.stop,
-                        expires_at=float(remote["expires_at"]),
                     )
                     load.reads.append((plan, self.transport.read(remote["remote_addresses"][plan.remote_rank], spec)))
             except Exception as exc:  # noqa: BLE001 - any failure means: compute it locally
@@ -136,14 +140,14 @@ class PDConnectorWorker(KVConnectorWorker):
         self._active = []
         return failed, self._step_bytes, seconds
 
-    def _release(self, addresses: list[Any], remote_request_id: str) -> None:
+    def _release(self, addresses: list[Any], remote_request_id: str, hold_token: str) -> None:
         if not self.releases_here:
             return
         for address in addresses:
             try:
-                self.transport.release(address, remote_request_id)
+                self.transport.release(address, remote_request_id, hold_token)
             except Exception as exc:  # noqa: BLE001 - the producer's timeout frees the blocks anyway
-                logger.warning("could not release request %s at its producer: %s", remote_request_id, exc)
+                logger.warning("could not release hold %s at its producer: %s", shown(remote_request_id), exc)
 
     # ------------------------------------------------------------------ saving (pull model: nothing to push)
 

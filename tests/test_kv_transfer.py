@@ -41,6 +41,11 @@ def _prefill(producer: LLM, prompts):
     return [o.kv_transfer_params for o in outs]
 
 
+def _hold(remote: dict) -> tuple[str, str]:
+    """What releases a producer's hold: its id and token, from the prefill's kv_transfer_params."""
+    return remote["remote_request_id"], remote["remote_hold_token"]
+
+
 def _decode(consumer: LLM, prompts, remote, **params):
     params = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, **params}
     sp = [SamplingParams(kv_transfer_params=r, **params) for r in remote]
@@ -295,7 +300,7 @@ def test_a_continuation_is_validated(tiny_llama):
     with pytest.raises(ValueError, match="remote_output_token_ids"):
         bad = dict(remote, remote_output_token_ids=[10**9])
         consumer.generate([{"prompt_token_ids": prompt[0]}], SamplingParams(max_tokens=4, kv_transfer_params=bad))
-    producer.llm_engine.release_kv([remote["remote_request_id"]])
+    producer.llm_engine.release_kv([_hold(remote)])
     _all_free(producer, consumer)
 
 
@@ -323,10 +328,10 @@ def test_a_read_of_a_released_hold_is_refused_and_the_prompt_computed(tiny_llama
     mono, producer, consumer = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
     prompt = _prompts(18, [19])
     remote = _prefill(producer, prompt)[0]
-    producer.llm_engine.release_kv([remote["remote_request_id"]])
+    producer.llm_engine.release_kv([_hold(remote)])
     other = _prefill(producer, _prompts(19, [30]))[0]  # its step frees the hold and may reuse the blocks
     got = _decode(consumer, prompt, [remote])
-    producer.llm_engine.release_kv([other["remote_request_id"]])
+    producer.llm_engine.release_kv([_hold(other)])
     assert _tokens(got) == _tokens(_greedy(mono, prompt))
     stats = consumer.llm_engine.get_stats().kv_transfer
     assert stats["load_failures"] == 1 and stats["fallbacks"] == 1 and stats["loads"] == 0

@@ -61,6 +61,11 @@ def _drain_producer(producer: LLM) -> None:
     assert producer.llm_engine.free_released_kv() == 0
 
 
+def _holds(prefills) -> list[tuple[str, str]]:
+    """What releases the producer's holds of these prefills: (hold id, hold token) each."""
+    return [(o.kv_transfer_params["remote_request_id"], o.kv_transfer_params["remote_hold_token"]) for o in prefills]
+
+
 def _all_free(llm: LLM) -> bool:
     stats = llm.llm_engine.get_stats()
     return stats.num_free_blocks == stats.num_total_blocks
@@ -119,7 +124,7 @@ def test_a_producer_whose_listener_is_gone_makes_the_consumer_compute_the_prompt
         stats = consumer.llm_engine.get_stats().kv_transfer
         assert stats["fallbacks"] == 2 and stats["load_failures"] == 2 and stats["loads"] == 0
         # No reader can release through a closed listener; whoever routes the requests releases them.
-        producer.llm_engine.release_kv([o.kv_transfer_params["remote_request_id"] for o in pre])
+        producer.llm_engine.release_kv(_holds(pre))
         _drain_producer(producer)
         assert _all_free(producer) and _all_free(consumer)
     finally:
@@ -165,7 +170,7 @@ def test_ray_rank_producers_feed_consumers_of_other_layouts_across_processes(mod
                 assert stats["loads"] == 3 and stats["fallbacks"] == 0, stats
                 # Ray-actor ranks cannot reach their engine's scheduler: whoever routes the requests releases
                 # them through release_kv (cluster/pd does); the transport's releases are a no-op there.
-                producer.llm_engine.release_kv([o.kv_transfer_params["remote_request_id"] for o in pre])
+                producer.llm_engine.release_kv(_holds(pre))
                 _drain_producer(producer)
                 assert _all_free(producer) and _all_free(consumer)
             finally:

@@ -21,6 +21,7 @@ import torch
 from pagedserve.kv_transfer.config import KVTransferConfig
 from pagedserve.kv_transfer.connectors import p2p_protocol
 from pagedserve.kv_transfer.connectors.torch_p2p import TorchP2PTransport
+from pagedserve.kv_transfer.holds import HoldGrant, hash_token, new_hold_token
 from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
 from pagedserve.kv_transfer.layout import KVLayout
 
@@ -57,16 +58,21 @@ def test_control_frames_round_trip_and_reject_garbage():
 
 
 def test_read_spec_round_trips_through_json_and_malformed_specs_are_refused():
-    spec = ReadSpec("r1", (3, 1, 2), 2, 9, (0, 2), 1, 2)
-    assert p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(spec)) == spec  # inf expiry survives JSON
-    timed = ReadSpec("r2", (0,), 0, 3, (1,), 0, 2, expires_at=1234.5)
-    assert p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(timed)) == timed
+    spec = ReadSpec("r1@3", "tok", 2, 9, (0, 2), 1, 2)
+    wire = p2p_protocol.spec_to_json(spec)
+    assert p2p_protocol.spec_from_json(wire) == spec
+    # Block ids and an expiry from the wire mean nothing: the producer serves the hold's own blocks.
+    assert p2p_protocol.spec_from_json({**wire, "block_ids": [7], "expires_at": None}) == spec
     with pytest.raises(ValueError, match="malformed"):
         p2p_protocol.spec_from_json({"remote_request_id": "x"})
+    for bad in ({"token_start": 2.0}, {"token_end": "9"}, {"layers": [0, True]}, {"hold_token": ""},
+                {"remote_request_id": "x" * 129}, {"remote_request_id": "a\nb"}, {"layers": list(range(5000))}):
+        with pytest.raises(ValueError, match="malformed"):
+            p2p_protocol.spec_from_json({**wire, **bad})
     with pytest.raises(ValueError, match="empty or negative"):
-        p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(ReadSpec("r", (0,), 4, 4, (0,), 0, 1)))
+        p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(ReadSpec("r", "t", 4, 4, (0,), 0, 1)))
     with pytest.raises(ValueError, match="not ascending"):
-        p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(ReadSpec("r", (0,), 0, 4, (1, 0), 0, 1)))
+        p2p_protocol.spec_from_json(p2p_protocol.spec_to_json(ReadSpec("r", "t", 0, 4, (1, 0), 0, 1)))
     assert p2p_protocol.layer_shape(spec, 8) == (7, 1, 8)
 
 
@@ -98,14 +104,24 @@ def _source(layout: KVLayout = LAYOUT, num_blocks: int = 8, rank: int = 0, seed:
     return KVSource(layout, rank, caches)
 
 
+def _spec(source: KVSource, hold_id: str, block_ids, token_start: int, token_end: int, layers, head_start: int,
+          head_end: int, deadline: float | None = None, token: str | None = None) -> ReadSpec:
+    """Grant `source` a hold of `block_ids` (all their tokens) and return a read of it with its token."""
+    token = token or new_hold_token()
+    num_tokens = len(block_ids) * source.layout.block_size
+    deadline = time.time() + 600 if deadline is None else deadline
+    source.register([HoldGrant(hold_id, hash_token(token), tuple(block_ids), num_tokens, deadline)])
+    return ReadSpec(hold_id, token, token_start, token_end, tuple(layers), head_start, head_end)
+
+
 class _SlowSource(KVSource):
     """A producer whose gather stalls (to exercise the reader's timeout)."""
 
     stall = threading.Event()
 
-    def read_layer(self, spec, layer, slots=None):
+    def read_layer(self, spec, layer, read=None):
         self.stall.wait(30)
-        return super().read_layer(spec, layer, slots)
+        return super().read_layer(spec, layer, read)
 
 
 @pytest.fixture
@@ -131,8 +147,8 @@ def test_reads_return_the_producers_layers_and_interleaved_reads_on_one_pair_sta
     producer, consumer = transports("kv_producer"), transports("kv_consumer")
     address = producer.serve(source)
     assert pickle.loads(pickle.dumps(address)) == address and address["host"] == HOST
-    a = ReadSpec("a", (5, 2, 7), 1, 11, (0, 1, 2), 0, 2)
-    b = ReadSpec("b", (3, 0), 0, 6, (1, 2), 1, 2)
+    a = _spec(source, "a", (5, 2, 7), 1, 11, (0, 1, 2), 0, 2)
+    b = _spec(source, "b", (3, 0), 0, 6, (1, 2), 1, 2)
     ra, rb = consumer.read(address, a), consumer.read(address, b)
     # Every layer of both reads arrives in the background, before anyone waits for a layer: a consumer's
     # compute of early layers overlaps the transfer of later ones.
@@ -164,7 +180,7 @@ def test_half_precision_kv_moves_bit_exact(dtype):
     producer = TorchP2PTransport(_config("kv_producer"), layout, 0, torch.device("cpu"))
     consumer = TorchP2PTransport(_config("kv_consumer"), layout, 0, torch.device("cpu"))
     try:
-        spec = ReadSpec("h", (4, 1), 1, 7, (0, 1), 0, 2)
+        spec = _spec(source, "h", (4, 1), 1, 7, (0, 1), 0, 2)
         for (k, v), layer in zip(_read_all(consumer.read(producer.serve(source), spec), spec), spec.layers):
             ek, ev = source.read_layer(spec, layer)
             assert k.dtype == getattr(torch, dtype) and torch.equal(k, ek) and torch.equal(v, ev)
@@ -178,7 +194,7 @@ def test_several_consumer_ranks_read_one_producer_rank_concurrently(transports):
     producer = transports("kv_producer")
     address = producer.serve(source)
     consumers = [transports("kv_consumer", rank=r) for r in range(3)]
-    specs = [ReadSpec(f"r{i}", (i, 7 - i), 0, 8, (0, 1, 2), i % 2, i % 2 + 1) for i in range(3)]
+    specs = [_spec(source, f"r{i}", (i, 7 - i), 0, 8, (0, 1, 2), i % 2, i % 2 + 1) for i in range(3)]
     results: dict[int, object] = {}
 
     def run(i: int) -> None:
@@ -204,36 +220,45 @@ def test_producer_errors_reach_the_reader_and_the_pair_stays_usable(transports):
     source = _source()
     producer, consumer = transports("kv_producer"), transports("kv_consumer")
     address = producer.serve(source)
-    expired = ReadSpec("old", (0, 1), 0, 8, (0, 1, 2), 0, 2, expires_at=time.time() - 1)
+    expired = _spec(source, "old", (0, 1), 0, 8, (0, 1, 2), 0, 2, deadline=time.time() - 1)
     reader = consumer.read(address, expired)
     with pytest.raises(RuntimeError, match="hold expired"):
         reader.wait_layer(0)
     reader.close()
-    too_far = ReadSpec("short", (0,), 0, 8, (0, 1), 0, 2)  # 8 tokens in one block of 4
-    bad_heads = ReadSpec("heads", (0, 1), 0, 8, (0,), 1, 3)
-    for spec, match in ((too_far, "only 1 blocks"), (bad_heads, "heads")):
+    too_far = _spec(source, "short", (0,), 0, 8, (0, 1), 0, 2)  # 8 tokens of a hold of one block of 4
+    wrong_token = ReadSpec("short", "not-its-token", 0, 4, (0,), 0, 2)
+    for spec, match in ((too_far, "the hold has 4"), (wrong_token, "wrong hold token")):
         reader = consumer.read(address, spec)
         with pytest.raises(RuntimeError, match=match):
             reader.wait_layer(spec.layers[0])
         reader.close()  # as the worker connector does after a failure: the rest of the stream is drained
-    good = ReadSpec("ok", (2, 3), 0, 8, (0, 1, 2), 0, 2)
+    good = _spec(source, "ok", (2, 3), 0, 8, (0, 1, 2), 0, 2)
     got = _read_all(consumer.read(address, good), good)  # the stream stayed aligned
     assert torch.equal(got[2][1], source.read_layer(good, 2)[1])
     assert [len(p.live) for p in consumer._pairs.values()] == [0]  # no receive buffer outlives its read
+    # A spec the producer cannot even size (heads the model does not have) drops the connection; the next
+    # read reconnects.
+    bad_heads = _spec(source, "heads", (0, 1), 0, 8, (0,), 1, 3)
+    reader = consumer.read(address, bad_heads)
+    with pytest.raises(ConnectionError):
+        reader.wait_layer(0)
+    reader.close()
+    got = _read_all(consumer.read(address, good), good)
+    assert torch.equal(got[0][0], source.read_layer(good, 0)[0])
 
 
 def test_release_reaches_the_producers_source(transports):
     source = _source()
-    released: list[str] = []
-    source.release_sink = released.append
+    released: list[tuple[str, str]] = []
+    source.release_sink = released.extend
     producer, consumer = transports("kv_producer"), transports("kv_consumer")
     address = producer.serve(source)
-    consumer.release(address, "req-7")
-    consumer.release(address, "req-8")
+    consumer.release(address, "req-7@1", "token-7")
+    consumer.release(address, "req-8@2", "token-8")
     deadline = time.monotonic() + 30
     while len(released) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert released == ["req-7", "req-8"]
+    assert released == [("req-7@1", "token-7"), ("req-8@2", "token-8")]  # the scheduler checks the tokens
 
 
 def test_a_stalled_producer_times_out_and_the_next_read_reconnects(transports):
@@ -243,7 +268,7 @@ def test_a_stalled_producer_times_out_and_the_next_read_reconnects(transports):
     producer = transports("kv_producer")
     consumer = transports("kv_consumer", read_timeout_s=1.0)
     address = producer.serve(source)
-    spec = ReadSpec("slow", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    spec = _spec(source, "slow", (0, 1), 0, 8, (0, 1, 2), 0, 2)
     reader = consumer.read(address, spec)
     with pytest.raises(TimeoutError):
         reader.wait_layer(0)
@@ -259,7 +284,7 @@ def test_a_consumer_gone_mid_read_does_not_wedge_the_producer(transports):
     _SlowSource.stall.clear()
     producer = transports("kv_producer")
     address = producer.serve(source)
-    spec = ReadSpec("gone", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    spec = _spec(source, "gone", (0, 1), 0, 8, (0, 1, 2), 0, 2)
     first = transports("kv_consumer")
     first.read(address, spec)
     first.close()  # mid-read: the producer is still gathering layer 0
@@ -270,15 +295,19 @@ def test_a_consumer_gone_mid_read_does_not_wedge_the_producer(transports):
     assert not any(p.thread.is_alive() for p in producer.server._peers)  # its sends failed; the peer is dropped
     second = transports("kv_consumer")
     got = _read_all(second.read(address, spec), spec)
-    assert torch.equal(got[1][0], base.read_layer(spec, 1)[0])
+    assert torch.equal(got[1][0], source.read_layer(spec, 1)[0])
+
+
+FAR_TOKEN = "far-token"
 
 
 def _serve_in_child(addresses, stop) -> None:
     """A producer rank in another process (spawned): serve a seeded source until told to stop."""
     transport = TorchP2PTransport(_config("kv_producer"), LAYOUT, 0, torch.device("cpu"))
-    released: list[str] = []
+    released: list[tuple[str, str]] = []
     source = _source(seed=1)
-    source.release_sink = released.append
+    _spec(source, "far", (6, 1, 4), 2, 12, (0, 2), 0, 2, token=FAR_TOKEN)
+    source.release_sink = released.extend
     try:
         addresses.put(transport.serve(source))
     except Exception as exc:  # noqa: BLE001 - the parent fails fast with the reason
@@ -303,15 +332,15 @@ def test_a_producer_rank_in_another_process_is_read_through_its_address(transpor
         address = addresses.get(timeout=120)
         assert isinstance(address, dict), address
         consumer = transports("kv_consumer")
-        spec = ReadSpec("far", (6, 1, 4), 2, 12, (0, 2), 0, 2)
+        expected = _source(seed=1)  # the same seeded cache as the child's, and the same hold
+        spec = _spec(expected, "far", (6, 1, 4), 2, 12, (0, 2), 0, 2, token=FAR_TOKEN)
         got = _read_all(consumer.read(address, spec), spec)
-        expected = _source(seed=1)  # the same seeded cache as the child's
         for (k, v), layer in zip(got, spec.layers):
             ek, ev = expected.read_layer(spec, layer)
             assert torch.equal(k, ek) and torch.equal(v, ev)
-        consumer.release(address, "far")
+        consumer.release(address, "far", FAR_TOKEN)
         stop.set()
-        assert addresses.get(timeout=60) == ["far"]
+        assert addresses.get(timeout=60) == [("far", FAR_TOKEN)]
     finally:
         stop.set()
         child.join(60)
@@ -324,7 +353,7 @@ def test_misbehaving_peers_neither_block_other_consumers_nor_close(transports):
     source = _source()
     producer = transports("kv_producer")
     address = producer.serve(source)
-    spec = ReadSpec("s", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+    spec = _spec(source, "s", (0, 1), 0, 8, (0, 1, 2), 0, 2)
     stalled = socket.create_connection((HOST, address["port"]), timeout=10)  # never joins its group
     stalled.sendall(p2p_protocol.encode_frame({"op": "hello", "pair": "stalled", "device": "cpu"})
                     + p2p_protocol.encode_frame({"op": "read", "spec": p2p_protocol.spec_to_json(spec)}))
@@ -354,8 +383,9 @@ def test_bad_transport_settings_name_the_field(transports):
 
 def test_closed_or_missing_producers_fail_fast_and_close_stops_everything(transports):
     producer, consumer = transports("kv_producer"), transports("kv_consumer")
-    address = producer.serve(_source())
-    spec = ReadSpec("x", (0, 1), 0, 8, (0,), 0, 2)
+    source = _source()
+    address = producer.serve(source)
+    spec = _spec(source, "x", (0, 1), 0, 8, (0,), 0, 2)
     _read_all(consumer.read(address, spec), spec)
     server = producer.server
     producer.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 
 import pytest
 
@@ -16,6 +17,9 @@ from pagedserve.cluster.pd.pools import PoolSpec, start_pool, wait_pool_ready
 
 PROMPTS = [[(19 * i + 7 * k) % 470 + 20 for k in range(n)] for i, n in enumerate((3, 9, 21, 34))]
 KILL_PROMPT = [(23 * k) % 470 + 20 for k in range(29)]  # seen by no engine before the kill test
+# For the forged-params test: prompts of one length (a hold of one passes the consumer's length check for any
+# other) that no engine saw before (a decode engine's prefix cache would spare it the read).
+FORGE_PROMPTS = [[(31 * i + 11 * k) % 470 + 20 for k in range(16)] for i in range(7)]
 MAX_TOKENS = 8
 
 
@@ -31,7 +35,9 @@ def ray_local():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # The engines of one deployment share a KV secret: the Ray transport's reads are signed with it.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PAGEDSERVE_KV_SECRET": secrets.token_hex(32)}})
     try:
         yield
     finally:
@@ -45,7 +51,7 @@ def expected(model) -> list[list[int]]:
 
     llm = LLM(model=model, dtype="float32", num_kv_blocks=64, block_size=4)
     try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS, KILL_PROMPT]],
+        outputs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS, *FORGE_PROMPTS, KILL_PROMPT]],
                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
     finally:
@@ -169,6 +175,57 @@ def test_torch_p2p_connector_between_pools(ray_local, model, expected):
     """The pools and the router work over the torch.distributed transport too (a TP=2 producer's
     reader releases reach its engine through the router)."""
     _parity_on_new_pools(model, expected, {"tensor_parallel_size": 2}, {}, connector="torch_p2p")
+
+
+async def _prefill(producer, request_id: str, prompt: list[int]) -> dict:
+    params = None
+    async for ref in producer.generate.remote(request_id, {"prompt_token_ids": prompt},
+                                              {"max_tokens": 1, "temperature": 0,
+                                               "kv_transfer_params": {"do_remote_decode": True}}):
+        params = (await ref).kv_transfer_params or params
+    assert params is not None
+    return params
+
+
+async def _decode(consumer, request_id: str, prompt: list[int], params: dict) -> list[int]:
+    tokens: list[int] = []
+    async for ref in consumer.generate.remote(request_id, {"prompt_token_ids": prompt},
+                                              {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                                               "kv_transfer_params": params}):
+        tokens += (await ref).outputs[0].token_ids
+    return tokens
+
+
+def test_forged_kv_transfer_params_over_ray_get_no_foreign_kv(tp2_tp1, expected):
+    """A decode engine handed forged params (another hold's token, a guessed token, a made-up hold id, a
+    released hold) reads nothing from the TP=2 producer's rank actors: it computes the prompt itself and
+    answers the monolithic tokens; a forged release leaves the victim's hold intact; nothing leaks."""
+    want = dict(zip(map(tuple, FORGE_PROMPTS), expected[len(PROMPTS):]))
+
+    async def run() -> None:
+        async with PD(*tp2_tp1) as pools:
+            producer, consumer = pools.prefill.handles[0], pools.decode.handles[0]
+
+            async def decode(name: str, prompt: list[int], params: dict) -> None:
+                assert await _decode(consumer, name, prompt, params) == want[tuple(prompt)], name
+
+            a = await _prefill(producer, "forge-a", FORGE_PROMPTS[0])
+            b = await _prefill(producer, "forge-b", FORGE_PROMPTS[1])
+            before = (await pools.stats(consumer))["kv_transfer"]
+            await decode("a's hold, b's token", FORGE_PROMPTS[2], {**a, "remote_hold_token": b["remote_hold_token"]})
+            await decode("b's hold, a guess", FORGE_PROMPTS[3], {**b, "remote_hold_token": "guessed-" + "x" * 35})
+            await decode("a made-up hold", FORGE_PROMPTS[4], {**a, "remote_request_id": "made-up@0"})
+            await producer.kv_release.remote(b["remote_request_id"], "guessed")  # does not free b
+            await decode("a", FORGE_PROMPTS[0], a)
+            await producer.kv_release.remote(a["remote_request_id"], a["remote_hold_token"])  # (as the router does)
+            c = await _prefill(producer, "forge-c", FORGE_PROMPTS[5])  # its step revokes a at the rank actors
+            await decode("a released hold", FORGE_PROMPTS[6], a)
+            await decode("b", FORGE_PROMPTS[1], b)  # the victim's hold was intact
+            await producer.kv_release.remote(c["remote_request_id"], c["remote_hold_token"])
+            kv = (await pools.stats(consumer))["kv_transfer"]
+            assert (kv["fallbacks"] - before["fallbacks"], kv["loads"] - before["loads"]) == (4, 2)
+
+    asyncio.run(run())
 
 
 def test_producer_killed_before_the_read_makes_the_consumer_recompute(tp2_tp1, expected):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 
 import pytest
 
@@ -33,7 +34,9 @@ def cluster():
         "decode": cluster.add_node(num_cpus=2, resources={"decode_node": 2}),
     }
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    # The engines of one deployment share a KV secret: the Ray transport's reads are signed with it.
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env={"env_vars": {"PAGEDSERVE_KV_SECRET": secrets.token_hex(32)}})
     try:
         yield {role: node.node_id for role, node in nodes.items()}
     finally:

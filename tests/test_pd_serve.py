@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import secrets
 import time
 
 import httpx
@@ -57,7 +58,9 @@ def server(model):
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # The engines of one deployment share a KV secret: the Ray transport's reads are signed with it.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PAGEDSERVE_KV_SECRET": secrets.token_hex(32)}})
     args = ServeArgs(model=model, dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, port=free_port(),
                      served_model_name=MODEL_NAME, api_key=None, max_num_seqs=16, num_prefill_engines=1,
                      num_decode_engines=1, num_cpus_per_engine=0.5, routing_stats_period_s=0.2, app_name=APP,

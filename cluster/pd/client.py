@@ -202,7 +202,7 @@ class PDClient:
         if handle is None:
             return
         try:
-            handle.kv_release.remote(remote["remote_request_id"])
+            handle.kv_release.remote(remote["remote_request_id"], remote.get("remote_hold_token"))
         except Exception as exc:  # noqa: BLE001 - its hold times out anyway
             logger.debug("release of %s failed: %s", remote.get("remote_request_id"), exc)
 

@@ -12,6 +12,11 @@ earlier ones. Tensors cross as CPU tensors through Ray's object store (a GPU pro
 host memory; the consumer's connector moves them to its device). A read that takes longer than
 `read_timeout_s` fails, and the consumer computes the prompt itself.
 
+Every `kv_read` call is signed with the deployment's KV secret (`kv_transfer_config.kv_secret`, or
+PAGEDSERVE_KV_SECRET[_FILE]; cluster/pd/read_auth.py) and names the hold and its token; the producer
+rank verifies the signature before anything else and serves only the hold's own blocks
+(cluster/pd/rank_server.py). A release carries the hold's token.
+
 The producer's engine actor name comes from `kv_connector_extra_config` (`ray_actor_name`,
 `ray_namespace`; the PD pools set them), else from the current actor when it is a named one.
 """
@@ -27,6 +32,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from pagedserve.cluster.pd.read_auth import ReadVerifier, sign_read
 from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
 from pagedserve.kv_transfer.transport import KVTransport, LayerReader
 
@@ -72,6 +78,9 @@ class RayTransport(KVTransport):
         self.actor_name: str | None = extra.get("ray_actor_name")
         self.namespace: str | None = extra.get("ray_namespace")
         self.token: str | None = None
+        # The deployment secret: signs this rank's reads (consumer), verifies readers (producer: `verifier`).
+        self.secret = config.secret()
+        self.verifier: ReadVerifier | None = None
         self._lock = threading.Lock()
         # (namespace, engine actor name, token) -> per rank: a rank actor handle, or None for the engine actor.
         self._ranks: dict[tuple, list] = {}
@@ -88,6 +97,7 @@ class RayTransport(KVTransport):
             raise ValueError("kv_connector 'ray': a producer must run in a named Ray engine actor; set "
                              "kv_transfer_config.kv_connector_extra_config.ray_actor_name (the PD pools do)")
         self.token = uuid.uuid4().hex
+        self.verifier = ReadVerifier(self.secret, self.rank)
         return {"actor": name, "namespace": self.namespace or context.namespace, "rank": self.rank,
                 "token": self.token}
 
@@ -143,19 +153,20 @@ class RayTransport(KVTransport):
         calls = []
         for start in range(0, len(layers), self.layers_per_call):
             group = layers[start:start + self.layers_per_call]
+            auth = sign_read(self.secret, address["token"], address["rank"], spec, group)
             if is_engine:
-                ref = actor.kv_read.remote(address["rank"], address["token"], spec, group)
+                ref = actor.kv_read.remote(address["rank"], address["token"], spec, group, auth)
             else:
-                ref = actor.kv_read.remote(address["token"], spec, group)
+                ref = actor.kv_read.remote(address["token"], spec, group, auth)
             calls.append((group, ref))
         return _RayLayerReader(self, address, calls)
 
-    def release(self, address: Any, remote_request_id: str) -> None:
-        # Every rank's address names the same engine actor, which frees the request's blocks: tell it once.
+    def release(self, address: Any, remote_request_id: str, hold_token: str) -> None:
+        # Every rank's address names the same engine actor, which frees the hold's blocks: tell it once.
         if address.get("rank") != 0:
             return
         try:
-            self._engine(address).kv_release.remote(remote_request_id)
+            self._engine(address).kv_release.remote(remote_request_id, hold_token)
         except ConnectionError:
             pass  # the producer is gone; its blocks went with it
 

@@ -78,15 +78,16 @@ class EngineCore:
         infos = self.executor.collective_rpc("kv_transfer_info")
         connector = make_scheduler_connector(self.config.kv_transfer_config, KVLayout.from_dict(infos[0][0]),
                                              [address for _, address in infos])
-        # An in-process producer rank passes a reader's release straight to the scheduler half.
+        # An in-process producer rank learns each hold at once and passes its readers' releases straight on.
         for source in self.executor.local_kv_sources():
-            source.release_sink = connector.release
+            connector.attach_local_source(source)
         return connector
 
-    def release_kv(self, request_ids: Iterable[str]) -> None:
-        """Producer: a reader is done with these finished prefills (thread-safe; freed at the next tick)."""
+    def release_kv(self, holds: Iterable[tuple[str, str]]) -> None:
+        """Producer: a reader is done with these holds, each (hold id, hold token) from the prefill's
+        kv_transfer_params (thread-safe; freed at the next tick; one without its token is ignored)."""
         if self.kv_connector is not None:
-            self.kv_connector.release(list(request_ids))
+            self.kv_connector.release(list(holds))
 
     def free_released_kv(self) -> int:
         """Free released or expired prefill holds; returns how many are still held."""

@@ -23,11 +23,10 @@ _LOCK = threading.Lock()
 class _DirectReader(LayerReader):
     def __init__(self, source: KVSource, spec: ReadSpec) -> None:
         self.source = source
-        self.spec = spec
-        self.slots = source.slots(spec)
+        self.read = source.open(spec)  # the producer's checks, as for any remote reader
 
     def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.source.read_layer(self.spec, layer, self.slots)
+        return self.source.read_layer(self.read.spec, layer, self.read)
 
 
 class InProcessTransport(KVTransport):
@@ -48,9 +47,9 @@ class InProcessTransport(KVTransport):
     def read(self, address: Any, spec: ReadSpec) -> LayerReader:
         return _DirectReader(self._source(address), spec)
 
-    def release(self, address: Any, remote_request_id: str) -> None:
+    def release(self, address: Any, remote_request_id: str, hold_token: str) -> None:
         try:
-            self._source(address).release(remote_request_id)
+            self._source(address).release(remote_request_id, hold_token)
         except ConnectionError:
             pass  # the producer is gone; its blocks went with it
 

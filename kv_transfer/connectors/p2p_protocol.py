@@ -5,7 +5,7 @@ length and a JSON object - never pickle, so a peer can send nothing but data:
 
     {"op": "hello", "pair": KEY, "backend": "gloo" | "nccl"}   first frame; KEY names the pair's group
     {"op": "read", "spec": {ReadSpec fields}}                  serve one read (layers in spec order)
-    {"op": "release", "id": REMOTE_REQUEST_ID}                 the reader is done with a request
+    {"op": "release", "id": HOLD_ID, "token": HOLD_TOKEN}      the reader is done with a hold
     {"op": "bye"}                                              the consumer closes the pair
 
 Data (producer -> consumer, on the pair's process group, in request order): per requested layer, a
@@ -13,7 +13,9 @@ status tensor (uint8[STATUS_BYTES]: byte 0 = OK/ERROR, bytes 1-4 = message lengt
 message), then K, then V ([tokens, heads, head_size] each). A read that fails on the producer (an
 expired hold, a spec this rank cannot serve) still sends every layer's three messages - status
 ERROR and zero-filled placeholders of the requested shape - so the stream stays aligned and the
-consumer can post all of a read's receives up front.
+consumer can post all of a read's receives up front. The producer checks a spec against its own layout
+before it sizes anything (KVSource.check_request); a spec that fails that check drops the connection.
+A read spec names the hold and its token, never block ids: the producer reads the hold's own blocks.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from typing import Any
 
 import torch
 
+from pagedserve.kv_transfer.holds import is_short_printable, shown
 from pagedserve.kv_transfer.kv_source import ReadSpec
 
 STATUS_BYTES = 256
 STATUS_OK = 0
 STATUS_ERROR = 1
 MAX_FRAME = 1 << 20  # control frames are small; anything larger is a protocol error
+MAX_SPEC_LAYERS = 4096  # more layers than any model has
 _LEN = struct.Struct(">I")
 
 
@@ -81,41 +85,49 @@ def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
 
 def spec_to_json(spec: ReadSpec) -> dict[str, Any]:
     d = asdict(spec)
-    d["block_ids"] = list(spec.block_ids)
     d["layers"] = list(spec.layers)
-    # JSON has no infinity; None means "no expiry".
-    d["expires_at"] = None if spec.expires_at == float("inf") else spec.expires_at
     return d
 
 
+def _wire_int(value: Any) -> int:
+    if type(value) is not int:  # no floats, strings or booleans standing in for numbers
+        raise TypeError(f"{type(value).__name__} is not an integer")
+    return value
+
+
 def spec_from_json(d: dict[str, Any]) -> ReadSpec:
-    """Rebuild a ReadSpec from a control frame; ValueError on anything malformed."""
+    """Rebuild a ReadSpec from a control frame; ValueError on anything malformed. Other keys (block ids,
+    an expiry) are ignored: the producer serves the hold's own blocks within its own deadline."""
     try:
-        expires = d.get("expires_at")
+        hold_id, token, layers = d["remote_request_id"], d["hold_token"], d["layers"]
+        if not is_short_printable(hold_id) or not is_short_printable(token):
+            raise ValueError("the hold id and token must be 1-128 printable ASCII characters")
+        if not isinstance(layers, list) or len(layers) > MAX_SPEC_LAYERS:
+            raise ValueError(f"layers must be a list of at most {MAX_SPEC_LAYERS}")
         spec = ReadSpec(
-            remote_request_id=str(d["remote_request_id"]),
-            block_ids=tuple(int(b) for b in d["block_ids"]),
-            token_start=int(d["token_start"]),
-            token_end=int(d["token_end"]),
-            layers=tuple(int(l) for l in d["layers"]),
-            head_start=int(d["head_start"]),
-            head_end=int(d["head_end"]),
-            expires_at=float("inf") if expires is None else float(expires),
+            remote_request_id=hold_id,
+            hold_token=token,
+            token_start=_wire_int(d["token_start"]),
+            token_end=_wire_int(d["token_end"]),
+            layers=tuple(_wire_int(layer) for layer in layers),
+            head_start=_wire_int(d["head_start"]),
+            head_end=_wire_int(d["head_end"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed read spec: {exc!r}") from None
+        raise ValueError(f"malformed read spec: {str(exc)[:200]}") from None
     check_spec_shape(spec)
     return spec
 
 
 def check_spec_shape(spec: ReadSpec) -> None:
-    """The sizes both sides derive from a spec must be sane before anything is allocated."""
+    """The sizes both sides derive from a spec must be sane before anything is allocated (the producer
+    also bounds them by its own layout: KVSource.check_request)."""
     if spec.num_tokens <= 0 or spec.head_end <= spec.head_start or not spec.layers:
-        raise ValueError(f"read of request {spec.remote_request_id}: empty or negative range "
+        raise ValueError(f"read of hold {shown(spec.remote_request_id)}: empty or negative range "
                          f"(tokens [{spec.token_start}, {spec.token_end}), heads [{spec.head_start}, "
-                         f"{spec.head_end}), layers {spec.layers})")
+                         f"{spec.head_end}), layers {str(spec.layers)[:100]})")
     if list(spec.layers) != sorted(set(spec.layers)):
-        raise ValueError(f"read of request {spec.remote_request_id}: layers {spec.layers} are not ascending")
+        raise ValueError(f"read of hold {shown(spec.remote_request_id)}: layers {str(spec.layers)[:100]} are not ascending")
 
 
 # ---------------------------------------------------------------------- data messages

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.kv_transfer.connectors import p2p_group, p2p_protocol
-from pagedserve.kv_transfer.kv_source import KVSource
+from pagedserve.kv_transfer.kv_source import KVSource, ReadRefused
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class _Peer:
             self.pair_key = message["pair"]
             self.backend = p2p_group.pick_backend(self.server.device.type, str(message.get("device", "cpu")))
         elif op == "release":
-            self.server.source.release(str(message["id"]))
+            self.server.source.release(message.get("id"), message.get("token"))  # checked there and by the scheduler
         elif op == "read":
             if self.pair_key is None:
                 raise p2p_protocol.ProtocolError("read before hello")
@@ -144,24 +144,29 @@ class _Peer:
         dst = p2p_group.CONSUMER_RANK
         error: str | None = None
         try:
-            spec = p2p_protocol.spec_from_json(raw_spec if isinstance(raw_spec, dict) else {})
+            # Checked against this rank's layout first: the stream (and any placeholder) is sized from a spec
+            # bounded by this rank's cache.
+            spec = source.check_request(p2p_protocol.spec_from_json(raw_spec if isinstance(raw_spec, dict) else {}))
         except ValueError as exc:
             # Without a usable spec the stream cannot be sized: the consumer's reads on this pair fail.
             raise p2p_protocol.ProtocolError(str(exc)) from None
         shape = p2p_protocol.layer_shape(spec, source.layout.head_size)
         dtype = p2p_protocol.torch_dtype(source.layout.dtype)
-        slots = None
+        read = None
+        refused = False
         try:
-            slots = source.slots(spec)
-        except (ValueError, IndexError, RuntimeError) as exc:
-            error = f"{exc.__class__.__name__}: {exc}"
+            read = source.open(spec)
+        except ReadRefused as exc:
+            error, refused = f"{exc.__class__.__name__}: {exc}", True
         placeholder: torch.Tensor | None = None
         in_flight: list[list[Any]] = []
         for layer in spec.layers:
             k = v = None
             if error is None:
                 try:
-                    k, v = source.read_layer(spec, layer, slots)
+                    k, v = source.read_layer(spec, layer, read)
+                except ReadRefused as exc:
+                    error, refused = f"{exc.__class__.__name__}: {exc}", True
                 except Exception as exc:  # noqa: BLE001 - any producer failure becomes the reader's error
                     error = f"{exc.__class__.__name__}: {exc}"
             if error is not None:
@@ -175,8 +180,8 @@ class _Peer:
         for entry in in_flight:
             _wait_sends(entry)
         self.server.reads_served += 1
-        if error is not None:
-            logger.warning("torch_p2p: producer rank %d could not serve request %s: %s", source.rank,
+        if error is not None and not refused:  # (refusals are counted and logged by the source)
+            logger.warning("torch_p2p: producer rank %d could not serve hold %r: %s", source.rank,
                            spec.remote_request_id, error)
 
 

@@ -231,14 +231,14 @@ class TorchP2PTransport(KVTransport):
                                       f"{address.get('port')}: {exc}") from exc
         return reader
 
-    def release(self, address: Any, remote_request_id: str) -> None:
+    def release(self, address: Any, remote_request_id: str, hold_token: str) -> None:
         pair = self._pair(address)
         with pair.lock:
             try:
-                pair.send({"op": "release", "id": remote_request_id})
+                pair.send({"op": "release", "id": remote_request_id, "token": hold_token})
             except OSError as exc:
                 pair.mark_broken(f"{exc.__class__.__name__}: {exc}")
-                raise ConnectionError(f"torch_p2p: could not release request {remote_request_id}: {exc}") from exc
+                raise ConnectionError(f"torch_p2p: could not release hold {remote_request_id!r}: {exc}") from exc
 
     # ------------------------------------------------------------------ lifetime
 
