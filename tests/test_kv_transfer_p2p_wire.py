@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pagedserve.kv_transfer.config import KVTransferConfig
-from pagedserve.kv_transfer.connectors import p2p_protocol
+from pagedserve.kv_transfer.connectors import p2p_channel, p2p_protocol
 from pagedserve.kv_transfer.connectors.torch_p2p import TorchP2PTransport
 from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
 from pagedserve.kv_transfer.layout import KVLayout
@@ -30,30 +30,57 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_size=4, dtype="float32", bl
 # ---------------------------------------------------------------------- wire pieces
 
 
-def test_control_frames_round_trip_and_reject_garbage():
+def _channels() -> tuple[p2p_channel.Channel, p2p_channel.Channel, socket.socket, socket.socket]:
     a, b = socket.socketpair()
+    key = b"k" * 32
+    return p2p_channel.Channel(a, key, p2p_channel.CONSUMER), p2p_channel.Channel(b, key, p2p_channel.PRODUCER), a, b
+
+
+def _frame(body: bytes, tag: bytes = b"\0" * 32) -> bytes:
+    return len(body).to_bytes(4, "big") + body + tag
+
+
+def test_control_frames_round_trip_and_reject_garbage():
+    consumer, producer, a, b = _channels()
     with a, b:
-        messages = [{"op": "hello", "pair": "k", "device": "cpu"}, {"op": "release", "id": "req-1"}]
+        messages = [{"op": "hello", "device": "cpu"}, {"op": "release", "id": "req-1"}]
         for m in messages:
-            a.sendall(p2p_protocol.encode_frame(m))
-        assert [p2p_protocol.recv_frame(b) for _ in messages] == messages
-        a.sendall(b"\x00\x00\x00\x03abc")
-        with pytest.raises(p2p_protocol.ProtocolError, match="not JSON"):
-            p2p_protocol.recv_frame(b)
-        a.sendall(p2p_protocol.encode_frame({"no_op": 1}))  # type: ignore[dict-item]
-        with pytest.raises(p2p_protocol.ProtocolError, match="without an op"):
-            p2p_protocol.recv_frame(b)
-        a.sendall((p2p_protocol.MAX_FRAME + 1).to_bytes(4, "big"))
+            consumer.send(m)
+        assert [producer.recv(5, 5) for _ in messages] == messages
+        a.sendall(_frame(b'{"op":"read"}'))  # a frame without its session's tag
+        with pytest.raises(p2p_channel.AuthenticationError, match="integrity"):
+            producer.recv(5, 5)
+    consumer, producer, a, b = _channels()
+    with a, b:
+        producer.send({"op": "x"})  # a producer's frame is no consumer's: the direction is in the tag
+        with pytest.raises(p2p_channel.AuthenticationError):
+            p2p_channel.Channel(a, b"k" * 32, p2p_channel.PRODUCER).recv(5, 5)
+    consumer, producer, a, b = _channels()
+    with a, b:
+        a.sendall((p2p_protocol.MAX_FRAME + 1).to_bytes(4, "big"))  # refused before anything is read
         with pytest.raises(p2p_protocol.ProtocolError, match="exceeds"):
-            p2p_protocol.recv_frame(b)
+            producer.recv(5, 5)
+    consumer, producer, a, b = _channels()
+    with a, b:
         a.sendall(b"\x00\x00\x00\x10{")  # cut short
         a.shutdown(socket.SHUT_WR)
-        with pytest.raises(p2p_protocol.ProtocolError, match="inside a control frame"):
-            p2p_protocol.recv_frame(b)
-    c, d = socket.socketpair()
-    with c, d:
-        c.close()
-        assert p2p_protocol.recv_frame(d) is None  # a clean close between frames
+        with pytest.raises(p2p_protocol.ProtocolError, match="inside"):
+            producer.recv(5, 5)
+    consumer, producer, a, b = _channels()
+    with a, b:
+        a.sendall(b"\x00")  # a frame begun and never finished
+        with pytest.raises(TimeoutError):
+            producer.recv(5, 0.2)
+    consumer, producer, a, b = _channels()
+    with a, b:
+        a.close()
+        assert producer.recv(5, 5) is None  # a clean close between frames
+    with pytest.raises(p2p_protocol.ProtocolError, match="not JSON"):
+        p2p_protocol.decode_body(b"abc")
+    with pytest.raises(p2p_protocol.ProtocolError, match="without an op"):
+        p2p_protocol.decode_body(b'{"no_op": 1}')
+    with pytest.raises(p2p_protocol.ProtocolError):
+        p2p_protocol.decode_body(b"[" * 100_000 + b"]" * 100_000)
 
 
 def test_read_spec_round_trips_through_json_and_malformed_specs_are_refused():
@@ -86,8 +113,11 @@ def test_status_messages_carry_errors_and_truncate_long_ones():
 # ---------------------------------------------------------------------- the transport, two ends in one process
 
 
+SECRET = "wire-test-secret-0123456789abcdef"  # shared with the spawned producer process
+
+
 def _config(role: str, **extra) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="torch_p2p", kv_role=role,
+    return KVTransferConfig(kv_connector="torch_p2p", kv_role=role, kv_secret=SECRET,
                             kv_connector_extra_config={"kv_host": HOST, "read_timeout_s": 20, **extra})
 
 
@@ -134,6 +164,7 @@ def test_reads_return_the_producers_layers_and_interleaved_reads_on_one_pair_sta
     a = ReadSpec("a", (5, 2, 7), 1, 11, (0, 1, 2), 0, 2)
     b = ReadSpec("b", (3, 0), 0, 6, (1, 2), 1, 2)
     ra, rb = consumer.read(address, a), consumer.read(address, b)
+    assert ra.started.wait(60) and rb.started.wait(60) and rb.error is None  # connected, receives posted
     # Every layer of both reads arrives in the background, before anyone waits for a layer: a consumer's
     # compute of early layers overlaps the transfer of later ones.
     last_v = rb.posted[-1][1][2]  # b's last layer's V buffer, the last message on the wire
@@ -325,9 +356,10 @@ def test_misbehaving_peers_neither_block_other_consumers_nor_close(transports):
     producer = transports("kv_producer")
     address = producer.serve(source)
     spec = ReadSpec("s", (0, 1), 0, 8, (0, 1, 2), 0, 2)
-    stalled = socket.create_connection((HOST, address["port"]), timeout=10)  # never joins its group
-    stalled.sendall(p2p_protocol.encode_frame({"op": "hello", "pair": "stalled", "device": "cpu"})
-                    + p2p_protocol.encode_frame({"op": "read", "spec": p2p_protocol.spec_to_json(spec)}))
+    # A peer with the secret that says hello and then never joins its group's rendezvous.
+    stalled = socket.create_connection((HOST, address["port"]), timeout=10)
+    channel = p2p_channel.client_handshake(stalled, _config("kv_consumer").secret(), time.monotonic() + 10)
+    channel.send({"op": "hello", "device": "cpu"})
     garbage = socket.create_connection((HOST, address["port"]), timeout=10)
     garbage.sendall(b"\x00\x00\x00\x05hello")
     try:
@@ -336,8 +368,10 @@ def test_misbehaving_peers_neither_block_other_consumers_nor_close(transports):
         assert torch.equal(got[1][0], source.read_layer(spec, 1)[0])
         assert garbage.recv(1) == b""  # the producer dropped the peer that spoke garbage
         server = producer.server
-        producer.close()  # returns although one peer thread still waits for its group
+        producer.close()  # returns although one peer thread waits in its rendezvous: close wakes it
         assert not server._thread.is_alive()
+        while stalled.recv(4096):  # its rendezvous frames, then the end of the connection
+            pass
     finally:
         stalled.close()
         garbage.close()
