@@ -156,14 +156,19 @@ def test_a_producer_opens_one_port_and_strangers_on_it_get_nothing(transports):
     idle = socket.create_connection((HOST, port), timeout=10)  # says nothing: dropped at the deadline
     assert _recv_all(idle) == b""
     http = socket.create_connection((HOST, port), timeout=10)
-    http.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 64)
+    http.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert _recv_all(http) == b""
     # The real frames, but no handshake: not a single one is read.
     frames = socket.create_connection((HOST, port), timeout=10)
+    wire = b""
     for message in ({"op": "hello", "device": "cpu"}, {"op": "read", "spec": p2p_protocol.spec_to_json(SPEC)},
                     {"op": "release", "id": "req"}):
         body = json.dumps(message).encode()
-        frames.sendall(len(body).to_bytes(4, "big") + body)
+        wire += len(body).to_bytes(4, "big") + body
+    try:
+        frames.sendall(wire)
+    except OSError:
+        pass  # closed on us halfway: fine
     assert _recv_all(frames) == b""
     # The handshake without the secret: one random challenge back, and then the door closes.
     guesser = socket.create_connection((HOST, port), timeout=10)
@@ -185,7 +190,7 @@ def test_a_producer_opens_one_port_and_strangers_on_it_get_nothing(transports):
     assert producer.server.refused >= 6
     # ... while the deployment's own consumers are served.
     _good_read(transports("kv_consumer"), address, source)
-    assert producer.server.reads_served == 1
+    assert _wait_for(lambda: producer.server.reads_served == 1)  # counted once its last send completed
 
 
 def test_a_consumer_never_talks_to_a_producer_without_the_secret():
@@ -637,7 +642,7 @@ def test_tls_on_the_control_connection(transports, tmp_path):
     no_cert = transports("kv_consumer", kv_tls_cafile=cert)
     with pytest.raises(ConnectionError):
         no_cert.read(address, SPEC).wait_layer(0)
-    assert producer.server.reads_served == 1 and producer.server.refused >= 3
+    assert producer.server.refused >= 3 and _wait_for(lambda: producer.server.reads_served == 1)
 
 
 def test_tls_settings_are_checked_naming_the_key(tmp_path):

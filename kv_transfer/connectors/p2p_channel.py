@@ -46,6 +46,10 @@ class AuthenticationError(ConnectionError):
     """The peer did not prove that it holds the deployment's KV secret (or is not a torch_p2p peer)."""
 
 
+class IdleTimeout(TimeoutError):
+    """No frame began within the wait a receiver allowed (as opposed to a frame cut short)."""
+
+
 # ---------------------------------------------------------------------- sockets
 
 
@@ -162,7 +166,10 @@ class Channel:
         `frame_timeout_s`. None when the peer closed cleanly between frames; ProtocolError for an oversize
         length (refused before anything is allocated) or a malformed body, AuthenticationError for a bad tag."""
         start = None if wait_s is None else time.monotonic() + wait_s
-        first = _recv_exact(self.sock, 1, start)
+        try:
+            first = _recv_exact(self.sock, 1, start)
+        except TimeoutError:
+            raise IdleTimeout(f"torch_p2p: no frame within {wait_s:.1f} s") from None
         if first is None:
             return None
         deadline = time.monotonic() + frame_timeout_s

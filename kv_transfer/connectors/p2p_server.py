@@ -61,7 +61,7 @@ class P2PServer:
         self.reads_served = 0
         self.refused = 0  # over the cap, failed handshakes, pushed-out handshakes, threads that could not start
         self._unlogged_refusals = 0
-        self._last_refusal_log = 0.0
+        self._last_refusal_log = float("-inf")
         self._thread = threading.Thread(target=self._accept_loop, name=f"torch-p2p-listen-{source.rank}", daemon=True)
         try:
             self._thread.start()
@@ -201,6 +201,12 @@ class _Peer:
             self._serve(channel)
         except p2p_channel.AuthenticationError as exc:
             server._refuse(self.name, str(exc))
+        except p2p_channel.IdleTimeout:
+            if authenticated:  # it reconnects when it has work again
+                logger.info("torch_p2p: producer rank %d dropped peer %s after kv_idle_timeout_s without a request",
+                            server.source.rank, self.name)
+            else:
+                server._refuse(self.name, "no handshake within kv_handshake_timeout_s")
         except (OSError, ssl.SSLError, ValueError) as exc:  # timeouts, resets, TLS and protocol errors
             if not server._closed:
                 if authenticated:
