@@ -304,11 +304,20 @@ def test_a_consumer_gone_mid_read_does_not_wedge_the_producer(transports):
     assert torch.equal(got[1][0], base.read_layer(spec, 1)[0])
 
 
-def _serve_in_child(addresses, stop) -> None:
-    """A producer rank in another process (spawned): serve a seeded source until told to stop."""
-    transport = TorchP2PTransport(_config("kv_producer"), LAYOUT, 0, torch.device("cpu"))
+def _serve_in_child(addresses, stop, device: str = "cpu", stall_request: str | None = None) -> None:
+    """A producer rank in another process (spawned): serve a seeded source until told to stop; the layers
+    after the first of `stall_request` take 10 s each to gather."""
+    transport = TorchP2PTransport(_config("kv_producer"), LAYOUT, 0, torch.device(device))
     released: list[str] = []
-    source = _source(seed=1)
+    base = _source(seed=1)
+
+    class Source(KVSource):
+        def read_layer(self, spec, layer, slots=None):
+            if spec.remote_request_id == stall_request and layer != spec.layers[0]:
+                time.sleep(10)
+            return super().read_layer(spec, layer, slots)
+
+    source = Source(LAYOUT, 0, [(k.to(device), v.to(device)) for k, v in base.kv_caches])
     source.release_sink = released.append
     try:
         addresses.put(transport.serve(source))
@@ -349,6 +358,44 @@ def test_a_producer_rank_in_another_process_is_read_through_its_address(transpor
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL pair needs one GPU per end")
+def test_nccl_pairs_move_kv_between_gpus_and_a_stalled_read_fails_only_itself():
+    """Producer on cuda:1 in another process, consumer on cuda:0 here: NCCL carries the layers; a read
+    that stalls past read_timeout_s fails (its pair's communicator is aborted), and neither process dies:
+    the next read works on a new pair."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    addresses, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_serve_in_child, args=(addresses, stop, "cuda:1", "slow"), daemon=True)
+    child.start()
+    consumer = TorchP2PTransport(_config("kv_consumer", read_timeout_s=3), LAYOUT, 0, torch.device("cuda", 0))
+    try:
+        address = addresses.get(timeout=300)
+        assert isinstance(address, dict) and address["device"] == "cuda", address
+        spec = ReadSpec("far", (6, 1, 4), 2, 12, (0, 2), 0, 2)
+        expected = _source(seed=1)
+        for attempt in ("first", "after the stalled read"):
+            if attempt != "first":
+                slow = ReadSpec("slow", (0, 1), 0, 8, (0, 1, 2), 0, 2)
+                reader = consumer.read(address, slow)
+                with pytest.raises((TimeoutError, ConnectionError)):
+                    _read_all(reader, slow)
+                reader.close()
+            got = _read_all(consumer.read(address, spec), spec)
+            for (k, v), layer in zip(got, spec.layers):
+                assert k.device == torch.device("cuda", 0)
+                ek, ev = expected.read_layer(spec, layer)
+                assert torch.equal(k.cpu(), ek) and torch.equal(v.cpu(), ev), attempt
+        assert child.is_alive()  # the producer process survived the failed transfer too
+    finally:
+        consumer.close()
+        stop.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
 
 
 def test_misbehaving_peers_neither_block_other_consumers_nor_close(transports):
