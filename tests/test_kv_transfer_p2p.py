@@ -1,16 +1,21 @@
 """Engines wired with the torch_p2p KV transport (torch.distributed point to point; its pieces are
-tested in tests/test_kv_transfer_p2p_wire.py).
+tested in tests/test_kv_transfer_p2p_wire.py, its defences in tests/test_kv_transfer_p2p_security.py).
 
 Two offline LLMs give one LLM's greedy tokens with chunked prefill on the producer, different block
 sizes on the two sides and prefix hits on the consumer (which move fewer bytes); a producer whose
-listener is gone makes the consumer compute the prompt; Ray-actor ranks (TP=2 producer -> TP=1
+listener is gone, an unreachable producer (tried once per backoff, never from the step thread), a
+producer that stalls mid-transfer and a producer process that dies mid-transfer all make the consumer
+compute the prompt, with the monolithic engine's tokens; Ray-actor ranks (TP=2 producer -> TP=1
 consumer, PP=2 producer -> TP=2 consumer) read each other across processes (slow). Every block on
 both sides is free afterwards. Everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import socket
+import threading
 import time
 
 import pytest
@@ -19,6 +24,7 @@ from pagedserve.engine import LLM, SamplingParams
 from tests.tiny_models import VOCAB_SIZE
 
 HOST = "127.0.0.1"
+SECRET = "p2p-engine-test-secret-0123456789"  # engines in other processes (Ray ranks, a spawned producer) share it
 
 
 def _kw(path, **over):
@@ -27,7 +33,8 @@ def _kw(path, **over):
 
 
 def _p2p(role: str, **extra) -> dict:
-    return {"kv_connector": "torch_p2p", "kv_role": role, "kv_connector_extra_config": {"kv_host": HOST, **extra}}
+    return {"kv_connector": "torch_p2p", "kv_role": role, "kv_secret": SECRET,
+            "kv_connector_extra_config": {"kv_host": HOST, **extra}}
 
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -129,6 +136,136 @@ def test_a_producer_whose_listener_is_gone_makes_the_consumer_compute_the_prompt
         assert _all_free(producer) and _all_free(consumer)
     finally:
         for llm in (producer, consumer, mono):
+            llm.shutdown()
+
+
+def _source_of(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker.model_runner.kv_hooks.source
+
+
+def _decode(consumer: LLM, prompts, params) -> list[list[int]]:
+    outs = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                             [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, kv_transfer_params=p)
+                              for p in params], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_an_unreachable_producer_is_tried_once_per_backoff_and_never_from_the_step_thread(model, monkeypatch):
+    producer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_producer"))
+    consumer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_consumer", kv_reconnect_backoff_s=600))
+    mono = LLM(**_kw(model))
+    probe = socket.socket()
+    probe.bind((HOST, 0))
+    dead_port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now: connects are refused
+    attempts: list[tuple[int, str]] = []
+    real_connect = socket.create_connection
+
+    def counting_connect(address, *args, **kwargs):
+        attempts.append((address[1], threading.current_thread().name))
+        return real_connect(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", counting_connect)
+    try:
+        prompts = _prompts(4, (7, 13, 22, 9))
+        pre = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL, use_tqdm=False)
+        params = [dict(o.kv_transfer_params, remote_addresses=[{**a, "port": dead_port}
+                                                               for a in o.kv_transfer_params["remote_addresses"]])
+                  for o in pre]
+        expected = _mono(mono, prompts)
+        # Two rounds of reads (and the releases of their holds) to the same unreachable producer.
+        assert _decode(consumer, prompts[:2], params[:2]) == expected[:2]
+        assert _decode(consumer, prompts[2:], params[2:]) == expected[2:]
+        tried = [name for port, name in attempts if port == dead_port]
+        assert len(tried) == 1, attempts  # the backoff: not again on the next reads, steps or releases
+        assert all(name.startswith("torch-p2p-io-") for name in tried)  # never on the engine's step thread
+        stats = consumer.llm_engine.get_stats().kv_transfer
+        assert stats["fallbacks"] == 4 and stats["loads"] == 0
+        producer.llm_engine.release_kv(_holds(pre))
+        _drain_producer(producer)
+        assert _all_free(producer) and _all_free(consumer)
+    finally:
+        for llm in (producer, consumer, mono):
+            llm.shutdown()
+
+
+def test_a_producer_that_stalls_mid_transfer_makes_the_consumer_recompute_and_both_keep_serving(model):
+    producer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_producer"))
+    consumer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_consumer", read_timeout_s=2))
+    mono = LLM(**_kw(model))
+    source = _source_of(producer)
+    stall = threading.Event()
+    real_read_layer = source.read_layer
+
+    def stalling_read_layer(spec, layer, slots=None):
+        if layer > 0:  # the first layer goes out; the rest waits
+            stall.wait(120)
+        return real_read_layer(spec, layer, slots)
+
+    source.read_layer = stalling_read_layer
+    try:
+        prompts = _prompts(5, (11, 18))
+        pre = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL, use_tqdm=False)
+        assert _decode(consumer, prompts, [o.kv_transfer_params for o in pre]) == _mono(mono, prompts)
+        stats = consumer.llm_engine.get_stats().kv_transfer
+        assert stats["fallbacks"] == 2 and stats["loads"] == 0
+        stall.set()
+        # Both ends go on: the next transfers load (on a fresh pair).
+        more = _prompts(6, (9, 26))
+        assert _pd(producer, consumer, more) == _mono(mono, more)
+        assert consumer.llm_engine.get_stats().kv_transfer["loads"] == 2
+        producer.llm_engine.release_kv(_holds(pre))
+        _drain_producer(producer)
+        assert _all_free(producer) and _all_free(consumer)
+    finally:
+        stall.set()
+        for llm in (producer, consumer, mono):
+            llm.shutdown()
+
+
+def _producer_that_dies_mid_transfer(model_path: str, prompts, out) -> None:
+    """A producer engine in another process: prefill, hand out the params, then die (exit code 17) while
+    gathering the second layer of the first read."""
+    producer = LLM(**_kw(model_path), kv_transfer_config=_p2p("kv_producer"))
+    source = _source_of(producer)
+    real_read_layer = source.read_layer
+    calls = []
+
+    def dying_read_layer(spec, layer, slots=None):
+        calls.append(layer)
+        if len(calls) == 2:
+            os._exit(17)
+        return real_read_layer(spec, layer, slots)
+
+    source.read_layer = dying_read_layer
+    pre = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL, use_tqdm=False)
+    out.put([o.kv_transfer_params for o in pre])
+    time.sleep(300)
+
+
+def test_a_producer_process_that_dies_mid_transfer_makes_the_consumer_recompute(model):
+    import multiprocessing
+
+    prompts = _prompts(7, (10, 23))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_producer_that_dies_mid_transfer, args=(str(model), prompts, out), daemon=True)
+    child.start()
+    consumer = LLM(**_kw(model), kv_transfer_config=_p2p("kv_consumer", read_timeout_s=30))
+    mono = LLM(**_kw(model))
+    try:
+        params = out.get(timeout=300)
+        assert _decode(consumer, prompts, params) == _mono(mono, prompts)
+        child.join(60)
+        assert child.exitcode == 17  # it died in the middle of the read, as planned
+        stats = consumer.llm_engine.get_stats().kv_transfer
+        assert stats["fallbacks"] == 2 and stats["loads"] == 0
+        assert _mono(consumer, prompts) == _mono(mono, prompts)  # the consumer lives on
+        assert _all_free(consumer)
+    finally:
+        if child.is_alive():
+            child.kill()
+        for llm in (consumer, mono):
             llm.shutdown()
 
 

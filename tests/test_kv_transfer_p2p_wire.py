@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pagedserve.kv_transfer.config import KVTransferConfig
-from pagedserve.kv_transfer.connectors import p2p_protocol
+from pagedserve.kv_transfer.connectors import p2p_channel, p2p_protocol
 from pagedserve.kv_transfer.connectors.torch_p2p import TorchP2PTransport
 from pagedserve.kv_transfer.holds import HoldGrant, hash_token, new_hold_token
 from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
@@ -31,30 +31,57 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_size=4, dtype="float32", bl
 # ---------------------------------------------------------------------- wire pieces
 
 
-def test_control_frames_round_trip_and_reject_garbage():
+def _channels() -> tuple[p2p_channel.Channel, p2p_channel.Channel, socket.socket, socket.socket]:
     a, b = socket.socketpair()
+    key = b"k" * 32
+    return p2p_channel.Channel(a, key, p2p_channel.CONSUMER), p2p_channel.Channel(b, key, p2p_channel.PRODUCER), a, b
+
+
+def _frame(body: bytes, tag: bytes = b"\0" * 32) -> bytes:
+    return len(body).to_bytes(4, "big") + body + tag
+
+
+def test_control_frames_round_trip_and_reject_garbage():
+    consumer, producer, a, b = _channels()
     with a, b:
-        messages = [{"op": "hello", "pair": "k", "device": "cpu"}, {"op": "release", "id": "req-1"}]
+        messages = [{"op": "hello", "device": "cpu"}, {"op": "release", "id": "req-1"}]
         for m in messages:
-            a.sendall(p2p_protocol.encode_frame(m))
-        assert [p2p_protocol.recv_frame(b) for _ in messages] == messages
-        a.sendall(b"\x00\x00\x00\x03abc")
-        with pytest.raises(p2p_protocol.ProtocolError, match="not JSON"):
-            p2p_protocol.recv_frame(b)
-        a.sendall(p2p_protocol.encode_frame({"no_op": 1}))  # type: ignore[dict-item]
-        with pytest.raises(p2p_protocol.ProtocolError, match="without an op"):
-            p2p_protocol.recv_frame(b)
-        a.sendall((p2p_protocol.MAX_FRAME + 1).to_bytes(4, "big"))
+            consumer.send(m)
+        assert [producer.recv(5, 5) for _ in messages] == messages
+        a.sendall(_frame(b'{"op":"read"}'))  # a frame without its session's tag
+        with pytest.raises(p2p_channel.AuthenticationError, match="integrity"):
+            producer.recv(5, 5)
+    consumer, producer, a, b = _channels()
+    with a, b:
+        producer.send({"op": "x"})  # a producer's frame is no consumer's: the direction is in the tag
+        with pytest.raises(p2p_channel.AuthenticationError):
+            p2p_channel.Channel(a, b"k" * 32, p2p_channel.PRODUCER).recv(5, 5)
+    consumer, producer, a, b = _channels()
+    with a, b:
+        a.sendall((p2p_protocol.MAX_FRAME + 1).to_bytes(4, "big"))  # refused before anything is read
         with pytest.raises(p2p_protocol.ProtocolError, match="exceeds"):
-            p2p_protocol.recv_frame(b)
+            producer.recv(5, 5)
+    consumer, producer, a, b = _channels()
+    with a, b:
         a.sendall(b"\x00\x00\x00\x10{")  # cut short
         a.shutdown(socket.SHUT_WR)
-        with pytest.raises(p2p_protocol.ProtocolError, match="inside a control frame"):
-            p2p_protocol.recv_frame(b)
-    c, d = socket.socketpair()
-    with c, d:
-        c.close()
-        assert p2p_protocol.recv_frame(d) is None  # a clean close between frames
+        with pytest.raises(p2p_protocol.ProtocolError, match="inside"):
+            producer.recv(5, 5)
+    consumer, producer, a, b = _channels()
+    with a, b:
+        a.sendall(b"\x00")  # a frame begun and never finished
+        with pytest.raises(TimeoutError):
+            producer.recv(5, 0.2)
+    consumer, producer, a, b = _channels()
+    with a, b:
+        a.close()
+        assert producer.recv(5, 5) is None  # a clean close between frames
+    with pytest.raises(p2p_protocol.ProtocolError, match="not JSON"):
+        p2p_protocol.decode_body(b"abc")
+    with pytest.raises(p2p_protocol.ProtocolError, match="without an op"):
+        p2p_protocol.decode_body(b'{"no_op": 1}')
+    with pytest.raises(p2p_protocol.ProtocolError):
+        p2p_protocol.decode_body(b"[" * 100_000 + b"]" * 100_000)
 
 
 def test_read_spec_round_trips_through_json_and_malformed_specs_are_refused():
@@ -92,8 +119,11 @@ def test_status_messages_carry_errors_and_truncate_long_ones():
 # ---------------------------------------------------------------------- the transport, two ends in one process
 
 
+SECRET = "wire-test-secret-0123456789abcdef"  # shared with the spawned producer process
+
+
 def _config(role: str, **extra) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="torch_p2p", kv_role=role,
+    return KVTransferConfig(kv_connector="torch_p2p", kv_role=role, kv_secret=SECRET,
                             kv_connector_extra_config={"kv_host": HOST, "read_timeout_s": 20, **extra})
 
 
@@ -150,6 +180,7 @@ def test_reads_return_the_producers_layers_and_interleaved_reads_on_one_pair_sta
     a = _spec(source, "a", (5, 2, 7), 1, 11, (0, 1, 2), 0, 2)
     b = _spec(source, "b", (3, 0), 0, 6, (1, 2), 1, 2)
     ra, rb = consumer.read(address, a), consumer.read(address, b)
+    assert ra.started.wait(60) and rb.started.wait(60) and rb.error is None  # connected, receives posted
     # Every layer of both reads arrives in the background, before anyone waits for a layer: a consumer's
     # compute of early layers overlaps the transfer of later ones.
     last_v = rb.posted[-1][1][2]  # b's last layer's V buffer, the last message on the wire
@@ -236,11 +267,11 @@ def test_producer_errors_reach_the_reader_and_the_pair_stays_usable(transports):
     got = _read_all(consumer.read(address, good), good)  # the stream stayed aligned
     assert torch.equal(got[2][1], source.read_layer(good, 2)[1])
     assert [len(p.live) for p in consumer._pairs.values()] == [0]  # no receive buffer outlives its read
-    # A spec the producer cannot even size (heads the model does not have) drops the connection; the next
-    # read reconnects.
+    # A spec the producer cannot even size (heads the model does not have) drops the connection (the
+    # reader fails when its receives break or time out); the next read reconnects.
     bad_heads = _spec(source, "heads", (0, 1), 0, 8, (0,), 1, 3)
     reader = consumer.read(address, bad_heads)
-    with pytest.raises(ConnectionError):
+    with pytest.raises((ConnectionError, TimeoutError)):
         reader.wait_layer(0)
     reader.close()
     got = _read_all(consumer.read(address, good), good)
@@ -301,12 +332,25 @@ def test_a_consumer_gone_mid_read_does_not_wedge_the_producer(transports):
 FAR_TOKEN = "far-token"
 
 
-def _serve_in_child(addresses, stop) -> None:
-    """A producer rank in another process (spawned): serve a seeded source until told to stop."""
-    transport = TorchP2PTransport(_config("kv_producer"), LAYOUT, 0, torch.device("cpu"))
+SLOW_TOKEN = "slow-token"
+
+
+def _serve_in_child(addresses, stop, device: str = "cpu", stall_request: str | None = None) -> None:
+    """A producer rank in another process (spawned): serve a seeded source until told to stop; the layers
+    after the first of `stall_request` take 10 s each to gather."""
+    transport = TorchP2PTransport(_config("kv_producer"), LAYOUT, 0, torch.device(device))
     released: list[tuple[str, str]] = []
-    source = _source(seed=1)
+    base = _source(seed=1)
+
+    class Source(KVSource):
+        def read_layer(self, spec, layer, slots=None):
+            if spec.remote_request_id == stall_request and layer != spec.layers[0]:
+                time.sleep(10)
+            return super().read_layer(spec, layer, slots)
+
+    source = Source(LAYOUT, 0, [(k.to(device), v.to(device)) for k, v in base.kv_caches])
     _spec(source, "far", (6, 1, 4), 2, 12, (0, 2), 0, 2, token=FAR_TOKEN)
+    _spec(source, "slow", (0, 1), 0, 8, (0, 1, 2), 0, 2, token=SLOW_TOKEN)
     source.release_sink = released.extend
     try:
         addresses.put(transport.serve(source))
@@ -349,14 +393,53 @@ def test_a_producer_rank_in_another_process_is_read_through_its_address(transpor
     assert child.exitcode == 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL pair needs one GPU per end")
+def test_nccl_pairs_move_kv_between_gpus_and_a_stalled_read_fails_only_itself():
+    """Producer on cuda:1 in another process, consumer on cuda:0 here: NCCL carries the layers; a read
+    that stalls past read_timeout_s fails (its pair's communicator is aborted), and neither process dies:
+    the next read works on a new pair."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    addresses, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_serve_in_child, args=(addresses, stop, "cuda:1", "slow"), daemon=True)
+    child.start()
+    consumer = TorchP2PTransport(_config("kv_consumer", read_timeout_s=3), LAYOUT, 0, torch.device("cuda", 0))
+    try:
+        address = addresses.get(timeout=300)
+        assert isinstance(address, dict) and address["device"] == "cuda", address
+        expected = _source(seed=1)
+        spec = _spec(expected, "far", (6, 1, 4), 2, 12, (0, 2), 0, 2, token=FAR_TOKEN)
+        for attempt in ("first", "after the stalled read"):
+            if attempt != "first":
+                slow = ReadSpec("slow", SLOW_TOKEN, 0, 8, (0, 1, 2), 0, 2)
+                reader = consumer.read(address, slow)
+                with pytest.raises((TimeoutError, ConnectionError)):
+                    _read_all(reader, slow)
+                reader.close()
+            got = _read_all(consumer.read(address, spec), spec)
+            for (k, v), layer in zip(got, spec.layers):
+                assert k.device == torch.device("cuda", 0)
+                ek, ev = expected.read_layer(spec, layer)
+                assert torch.equal(k.cpu(), ek) and torch.equal(v.cpu(), ev), attempt
+        assert child.is_alive()  # the producer process survived the failed transfer too
+    finally:
+        consumer.close()
+        stop.set()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+
+
 def test_misbehaving_peers_neither_block_other_consumers_nor_close(transports):
     source = _source()
     producer = transports("kv_producer")
     address = producer.serve(source)
     spec = _spec(source, "s", (0, 1), 0, 8, (0, 1, 2), 0, 2)
-    stalled = socket.create_connection((HOST, address["port"]), timeout=10)  # never joins its group
-    stalled.sendall(p2p_protocol.encode_frame({"op": "hello", "pair": "stalled", "device": "cpu"})
-                    + p2p_protocol.encode_frame({"op": "read", "spec": p2p_protocol.spec_to_json(spec)}))
+    # A peer with the secret that says hello and then never joins its group's rendezvous.
+    stalled = socket.create_connection((HOST, address["port"]), timeout=10)
+    channel = p2p_channel.client_handshake(stalled, _config("kv_consumer").secret(), time.monotonic() + 10)
+    channel.send({"op": "hello", "device": "cpu"})
     garbage = socket.create_connection((HOST, address["port"]), timeout=10)
     garbage.sendall(b"\x00\x00\x00\x05hello")
     try:
@@ -365,8 +448,10 @@ def test_misbehaving_peers_neither_block_other_consumers_nor_close(transports):
         assert torch.equal(got[1][0], source.read_layer(spec, 1)[0])
         assert garbage.recv(1) == b""  # the producer dropped the peer that spoke garbage
         server = producer.server
-        producer.close()  # returns although one peer thread still waits for its group
+        producer.close()  # returns although one peer thread waits in its rendezvous: close wakes it
         assert not server._thread.is_alive()
+        while stalled.recv(4096):  # its rendezvous frames, then the end of the connection
+            pass
     finally:
         stalled.close()
         garbage.close()

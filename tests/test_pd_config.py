@@ -45,6 +45,41 @@ def test_pd_args_and_the_pools_they_describe(tiny_llama):
     assert specs["decode"].engine_kwargs_for("d", "ns")["kv_transfer_config"]["kv_role"] == "kv_consumer"
 
 
+def test_the_app_secret_reaches_every_engine_and_no_repr(tiny_llama, monkeypatch):
+    import pickle
+
+    from pydantic import SecretStr
+
+    from pagedserve.cluster.pd.pools import deployment_kv_secret
+    from pagedserve.engine.config import EngineConfig
+
+    monkeypatch.delenv("PAGEDSERVE_KV_SECRET", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_KV_SECRET_FILE", raising=False)
+    secret = deployment_kv_secret()
+    assert isinstance(secret, SecretStr) and secret != deployment_kv_secret()  # fresh per app start
+    specs = pool_specs(pd_args(tiny_llama, kv_connector="torch_p2p"), kv_secret=secret)
+    configs = []
+    for role, name in (("prefill", "p-0"), ("decode", "d-0")):
+        kwargs = specs[role].engine_kwargs_for(name, "ns")
+        # The trip to the engine actor: Ray pickles the constructor's arguments.
+        config = EngineConfig(**pickle.loads(pickle.dumps(kwargs)))
+        configs.append(config)
+        kv = config.kv_transfer_config
+        assert kv["kv_secret"].get_secret_value() == secret.get_secret_value()
+        for text in (repr(kwargs), str(kwargs), repr(specs[role]), repr(config), str(kv)):
+            assert secret.get_secret_value() not in text
+    from pagedserve.kv_transfer.config import parse_kv_transfer_config
+
+    assert len({parse_kv_transfer_config(c.kv_transfer_config).secret() for c in configs}) == 1
+    # An operator's secret wins: the app generates none and every engine reads the environment.
+    monkeypatch.setenv("PAGEDSERVE_KV_SECRET", "operator-secret-0123456789")
+    assert deployment_kv_secret() is None
+    monkeypatch.delenv("PAGEDSERVE_KV_SECRET")
+    monkeypatch.setenv("PAGEDSERVE_KV_SECRET_FILE", "/run/secrets/kv")
+    assert deployment_kv_secret() is None
+    assert "kv_secret" not in pool_specs(pd_args(tiny_llama))["prefill"].engine_kwargs_for("p", "ns")["kv_transfer_config"]
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"num_prefill_engines": 1}, "num_decode_engines"),
     ({"num_decode_engines": 1}, "num_prefill_engines"),

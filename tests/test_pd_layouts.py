@@ -13,7 +13,7 @@ import secrets
 import pytest
 
 from pagedserve.cluster.pd.client import PDClient
-from pagedserve.cluster.pd.pools import PoolSpec, start_pool, wait_pool_ready
+from pagedserve.cluster.pd.pools import PoolSpec, deployment_kv_secret, start_pool, wait_pool_ready
 
 PROMPTS = [[(19 * i + 7 * k) % 470 + 20 for k in range(n)] for i, n in enumerate((3, 9, 21, 34))]
 KILL_PROMPT = [(23 * k) % 470 + 20 for k in range(29)]  # seen by no engine before the kill test
@@ -65,8 +65,10 @@ def engine_kwargs(model: str, **overrides) -> dict:
 
 def start_pools(model: str, prefill: dict, decode: dict, connector: str = "ray") -> tuple:
     extra = {"read_timeout_s": 20}
+    secret = deployment_kv_secret()  # both pools share one, as the PD app's do
     return tuple(start_pool(PoolSpec(role, 1, engine_kwargs(model, **kwargs), num_cpus_per_engine=0.5,
-                                     kv_connector=connector, kv_connector_extra_config=extra), f"layouts-{connector}")
+                                     kv_connector=connector, kv_connector_extra_config=extra, kv_secret=secret),
+                            f"layouts-{connector}")
                  for role, kwargs in (("prefill", prefill), ("decode", decode)))
 
 

@@ -2,9 +2,10 @@
 and an ingress whose engine client is the PD client (`client.PDClient`).
 
 - `<app>-pools` (`PagedServePDPools`, one replica, no CPU): starts both pools (`pools.start_pool`),
-  waits until every engine is ready, and tells ingress replicas the engines' names. The engine
-  actors are its children: deleting the app (or losing the replica) takes them down with it;
-  Ray restarts an engine actor that dies on its own.
+  waits until every engine is ready, and tells ingress replicas the engines' names. It generates the
+  app's KV secret (`pools.deployment_kv_secret`) and hands it to every engine in kv_transfer_config.
+  The engine actors are its children: deleting the app (or losing the replica) takes them down with
+  it; Ray restarts an engine actor that dies on its own (with the same secret).
 - `<app>-ingress` (`PagedServePDIngress`): the same HTTP app as the monolithic shape
   (`serving.app.build_fastapi_app`), over a `PDClient` that holds both pools' actor handles.
 """
@@ -16,11 +17,13 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI
+from pydantic import SecretStr
 from ray import serve
 
 from pagedserve.cluster.pd.client import PDClient
 from pagedserve.cluster.pd.config import side_layout_kwargs
-from pagedserve.cluster.pd.pools import EnginePool, PoolSpec, start_pool, unique_prefix, wait_pool_ready
+from pagedserve.cluster.pd.pools import (EnginePool, PoolSpec, deployment_kv_secret, start_pool, unique_prefix,
+                                         wait_pool_ready)
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.settings import ServeArgs
@@ -30,8 +33,8 @@ logger = logging.getLogger(__name__)
 INGRESS_MAX_ONGOING = 100_000
 
 
-def pool_specs(args: ServeArgs) -> dict[str, PoolSpec]:
-    """The prefill and decode pools that `args` describe."""
+def pool_specs(args: ServeArgs, kv_secret: SecretStr | None = None) -> dict[str, PoolSpec]:
+    """The prefill and decode pools that `args` describe; both get `kv_secret` (the app's KV secret)."""
     specs = {}
     for role, count, resources in (("prefill", args.num_prefill_engines, args.prefill_resources),
                                    ("decode", args.num_decode_engines, args.decode_resources)):
@@ -42,7 +45,7 @@ def pool_specs(args: ServeArgs) -> dict[str, PoolSpec]:
         specs[role] = PoolSpec(role, int(count), kwargs, kv_connector=args.kv_connector,
                                kv_connector_extra_config=dict(args.kv_connector_extra_config),
                                resources=dict(resources), num_cpus_per_engine=args.num_cpus_per_engine,
-                               max_pending_requests=args.max_pending_requests)
+                               max_pending_requests=args.max_pending_requests, kv_secret=kv_secret)
     return specs
 
 
@@ -56,7 +59,8 @@ class PagedServePDPools:
         prefix = unique_prefix(self.args.app_name)
         self.pools: dict[str, EnginePool] = {}
         try:
-            for role, spec in pool_specs(self.args).items():
+            # One secret per app start, for every engine of both pools (unless the operator set one).
+            for role, spec in pool_specs(self.args, kv_secret=deployment_kv_secret()).items():
                 self.pools[role] = start_pool(spec, prefix)
             self.ready = {role: await wait_pool_ready(pool) for role, pool in self.pools.items()}
         except BaseException:

@@ -12,17 +12,20 @@ prefill nodes offer) pin a pool to a node type; an engine with TP/PP > 1 gets on
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
+from pydantic import SecretStr
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.cluster.engine_actor import EngineActor, engine_actor_options
 from pagedserve.engine.config import EngineConfig
+from pagedserve.kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
 
 Role = Literal["prefill", "decode"]
 KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -39,6 +42,9 @@ class PoolSpec:
     num_cpus_per_engine: float = 1.0
     max_pending_requests: int = 1024
     stall_timeout_s: float = 120.0
+    # The deployment's KV secret, the same for both pools (`deployment_kv_secret`); None: each engine
+    # resolves PAGEDSERVE_KV_SECRET / _FILE itself. A SecretStr, so reprs and logs never show it.
+    kv_secret: SecretStr | None = None
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
@@ -55,9 +61,19 @@ class PoolSpec:
 
     def engine_kwargs_for(self, actor_name: str, namespace: str) -> dict[str, Any]:
         extra = {**self.kv_connector_extra_config, "ray_actor_name": actor_name, "ray_namespace": namespace}
-        return {**self.engine_kwargs, "kv_transfer_config": {
-            "kv_connector": self.kv_connector, "kv_role": KV_ROLES[self.role], "engine_id": actor_name,
-            "kv_connector_extra_config": extra}}
+        kv_transfer_config = {"kv_connector": self.kv_connector, "kv_role": KV_ROLES[self.role],
+                              "engine_id": actor_name, "kv_connector_extra_config": extra}
+        if self.kv_secret is not None:
+            kv_transfer_config["kv_secret"] = self.kv_secret  # pickles to the engine actor as the SecretStr
+        return {**self.engine_kwargs, "kv_transfer_config": kv_transfer_config}
+
+
+def deployment_kv_secret() -> SecretStr | None:
+    """One fresh secret for the engines of one PD app, which their KV transports authenticate each other
+    with; None when the operator provides one (PAGEDSERVE_KV_SECRET / _FILE, which every engine reads)."""
+    if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV):
+        return None
+    return SecretStr(generate_secret())
 
 
 @dataclass

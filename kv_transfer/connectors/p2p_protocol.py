@@ -1,9 +1,12 @@
 """The torch_p2p wire protocol: control frames on a socket, data as tensors on a 2-rank group.
 
-Control (consumer -> producer, one TCP connection per peer pair): frames of a 4-byte big-endian
-length and a JSON object - never pickle, so a peer can send nothing but data:
+Control (one TCP connection per peer pair, optionally TLS): after the secret handshake
+(p2p_channel.py), frames of a 4-byte big-endian length, a JSON object and an HMAC tag - never pickle,
+so a peer can send nothing but data. Consumer -> producer:
 
-    {"op": "hello", "pair": KEY, "backend": "gloo" | "nccl"}   first frame; KEY names the pair's group
+    {"op": "hello", "device": "cpu" | "cuda"}                  first frame; both ends derive the backend
+    {"op": "store_set", "key": K, "value": BASE64}             the pair group's rendezvous (both ways,
+    {"op": "rendezvous_done"}                                    see p2p_group.ChannelStore), then
     {"op": "read", "spec": {ReadSpec fields}}                  serve one read (layers in spec order)
     {"op": "release", "id": HOLD_ID, "token": HOLD_TOKEN}      the reader is done with a hold
     {"op": "bye"}                                              the consumer closes the pair
@@ -21,7 +24,6 @@ A read spec names the hold and its token, never block ids: the producer reads th
 from __future__ import annotations
 
 import json
-import socket
 import struct
 from dataclasses import asdict
 from typing import Any
@@ -46,38 +48,22 @@ class ProtocolError(ConnectionError):
 # ---------------------------------------------------------------------- control frames
 
 
-def encode_frame(message: dict[str, Any]) -> bytes:
+def encode_body(message: dict[str, Any]) -> bytes:
+    """A control frame's JSON body (p2p_channel adds the length and the tag)."""
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > MAX_FRAME:
         raise ValueError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME}")
-    return _LEN.pack(len(body)) + body
+    return body
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
-    """The next control frame, or None when the peer closed the connection cleanly between frames."""
-    head = _recv_exact(sock, _LEN.size)
-    if head is None:
-        return None
-    (length,) = _LEN.unpack(head)
-    if length > MAX_FRAME:
-        raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_FRAME}")
-    body = _recv_exact(sock, length)
-    if body is None:
-        raise ProtocolError("connection closed inside a control frame")
+def decode_body(body: bytes) -> dict[str, Any]:
+    """A control frame's message; ProtocolError unless it is a JSON object with a string op."""
     try:
         message = json.loads(body)
-    except ValueError as exc:
+    except ValueError as exc:  # also UnicodeDecodeError
         raise ProtocolError(f"control frame is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("control frame nests too deeply") from None
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ProtocolError(f"control frame without an op: {message!r:.200}")
     return message
