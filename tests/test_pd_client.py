@@ -320,3 +320,43 @@ def test_n_children_scheduled_in_separate_steps_read_no_released_kv(tiny_model_f
     finally:
         pd.close()
         mono.close()
+
+
+def test_a_stream_closed_after_its_first_token_releases_the_hold_at_once(tiny_model_factory):
+    """A caller that stops right after the first token (the prefill's own), before the decode leg starts,
+    or while the decode leg runs (its task cancelled): the producer's hold goes within a second, not at
+    hold_timeout_s."""
+    pd = LocalPD(str(tiny_model_factory("llama", max_position_embeddings=512)))
+    params = {"max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    connector = pd.prefill.engine.engine.engine_core.scheduler.kv_connector
+
+    async def held_after(stop) -> tuple[int, int]:
+        """(held right after the first token, held once the caller stopped and a second passed)."""
+        stream = pd.client.generate(f"early-{stop.__name__}", PROMPTS[4], params)
+        first = await anext(stream)
+        assert len(first.outputs[0].token_ids) == 1
+        held = len(connector._held)
+        await stop(stream)
+        deadline = time.monotonic() + 1.0
+        while connector._held and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # (the release is fire and forget on this loop)
+        return held, len(connector._held)
+
+    async def close(stream) -> None:
+        await stream.aclose()
+
+    async def cancel_in_decode(stream) -> None:
+        task = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        for stop in (close, cancel_in_decode):
+            assert asyncio.run(held_after(stop)) == (1, 0), stop.__name__
+        assert pd.kv_stats(pd.prefill)["expired_holds"] == 0
+        for free, total, held in pd.wait_idle():
+            assert (free, held) == (total, 0)
+    finally:
+        pd.close()

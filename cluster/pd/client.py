@@ -16,8 +16,9 @@ monolithic engine's.
 - Requests asking for prompt logprobs run on a decode engine alone (a consumer computes the prompt
   positions it needs logprobs for itself, so a prefill would be wasted).
 - The producer's hold is released when the decode's first output arrives (n == 1), when the decode
-  ends or fails, or when the prefill's output was the answer (the consumer also releases after its
-  last reader loaded; releases are idempotent, and the producer's `hold_timeout_s` frees anything left).
+  ends or fails, when the prefill's output was the answer, or as soon as the caller stops reading at
+  any point (the consumer also releases after its last reader loaded; releases are idempotent, and the
+  producer's `hold_timeout_s` frees anything left).
 - n > 1: the decode engine's n children share one hold, which it releases after the last of them has
   loaded; the router's own release waits for the end of the request (not its first output).
 - Faults: a prefill engine that is dead or refuses the request (overloaded) -> the request is
@@ -174,9 +175,12 @@ class PDClient:
             # engine continues from it: it loads the whole prompt and computes only that token onwards.
             self.counters.continuations += 1
             decode_params["kv_transfer_params"] = {**remote, "continue_remote_output": True}
-            yield first
         first_logprob = first.outputs[0].cumulative_logprob if first is not None else None
+        # Every yield from here on sits inside the try: a caller that stops at any of them (closes or cancels
+        # the stream, e.g. its client left right after the first token) releases the hold now, not at expiry.
         try:
+            if first is not None:
+                yield first
             async with contextlib.aclosing(self._decode(request_id, prompt_token_ids, decode_params, priority,
                                                         final_only and first is None)) as stream:
                 async for output in stream:
