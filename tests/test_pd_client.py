@@ -161,6 +161,30 @@ def test_only_blocks_the_decode_cache_lacks_move(clients, servers):
     assert third["loaded_bytes"] - second["loaded_bytes"] < (second["loaded_bytes"] - first["loaded_bytes"]) / 4
 
 
+def test_cache_salt_salts_both_legs(clients, servers):
+    """The salt reaches the prefill and the decode engine: the same salt hits both engines' prefix
+    caches (only the tail moves), another salt hits neither (the whole prompt moves again)."""
+    _, pd = servers
+    prompt = [(9 * k) % 430 + 25 for k in range(26)]  # six full blocks and a tail of 2
+
+    def moved_and_hits(salt: str) -> tuple[int, int]:
+        before, hits = pd.kv_stats(pd.decode), pd.prefill.engine.get_stats().scheduler.prefix_cache_hits
+        mono, disagg = both(clients, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                         "cache_salt": salt})
+        assert not same_answer(mono, disagg)
+        deadline = time.monotonic() + 20  # published stats lag the answer by a loop turn
+        while pd.kv_stats(pd.decode)["loads"] == before["loads"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pd.wait_idle()
+        after = pd.kv_stats(pd.decode)
+        return (after["loaded_tokens"] - before["loaded_tokens"],
+                pd.prefill.engine.get_stats().scheduler.prefix_cache_hits - hits)
+
+    assert moved_and_hits("tenant-1") == (len(prompt), 0)
+    moved, hits = moved_and_hits("tenant-1")
+    assert moved < 4 and hits == 24
+    assert moved_and_hits("tenant-2") == (len(prompt), 0)
+
 def test_metrics_report_kv_transfer_and_pools(clients):
     _, pd_client = clients
     pd_client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[4], "max_tokens": 3,

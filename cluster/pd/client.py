@@ -119,8 +119,9 @@ class PDClient:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0, final_only: bool = False) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs. Raises ValueError (bad input), EngineOverloadedError (every decode engine
+                       priority: int = 0, final_only: bool = False,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs. `cache_salt` goes to both legs (both engines' prefix caches are salted). Raises ValueError (bad input), EngineOverloadedError (every decode engine
         refused), or EngineDeadError (the decode engine died while serving this request).
 
         `final_only` (the caller reads only the end): a decode leg that computes the whole output itself
@@ -130,7 +131,7 @@ class PDClient:
         user = {**sampling_params, "kv_transfer_params": None}
         if user.get("prompt_logprobs") is not None:
             self.counters.decode_only += 1
-            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output
             return
         one_shot = user.get("max_tokens") == 1 and int(user.get("n") or 1) == 1
@@ -138,13 +139,13 @@ class PDClient:
         outputs: list[RequestOutput] = []
         try:
             async with contextlib.aclosing(self.prefill.generate(request_id, prompt_token_ids, params,
-                                                                 priority)) as stream:
+                                                                 priority, cache_salt=cache_salt)) as stream:
                 async for output in stream:
                     outputs.append(output)
         except (EngineDeadError, EngineOverloadedError) as exc:
             self.counters.prefill_fallbacks += 1
             logger.warning("request %s: prefill failed (%s); computing it on a decode engine", request_id, exc)
-            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output
             return
         final = outputs[-1]
@@ -159,7 +160,7 @@ class PDClient:
             return
         if remote is None:  # the producer kept nothing (e.g. the prompt did not fill a block): compute it
             self.counters.prefill_fallbacks += 1
-            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output
             return
         self.counters.pd_requests += 1
@@ -182,7 +183,7 @@ class PDClient:
             if first is not None:
                 yield first
             async with contextlib.aclosing(self._decode(request_id, prompt_token_ids, decode_params, priority,
-                                                        final_only and first is None)) as stream:
+                                                        final_only and first is None, cache_salt)) as stream:
                 async for output in stream:
                     if early and not released:
                         released = True
@@ -197,8 +198,9 @@ class PDClient:
                 self._release(remote)
 
     def _decode(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                priority: int, final_only: bool = False) -> AsyncIterator[RequestOutput]:
-        return self.decode.generate(request_id, prompt_token_ids, params, priority, final_only=final_only)
+                priority: int, final_only: bool = False, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        return self.decode.generate(request_id, prompt_token_ids, params, priority, final_only=final_only,
+                                    cache_salt=cache_salt)
 
     def _release(self, remote: dict[str, Any]) -> None:
         """Free the producer's hold (fire and forget: a dead producer's blocks went with it)."""
