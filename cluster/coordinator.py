@@ -158,9 +158,11 @@ class DPCoordinator:
         sampling_params: dict,
         priority: int = 0,
         final_only: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Route the request and stream its DELTA outputs; with `final_only` (the caller reads only the
-        end, e.g. a non-streaming HTTP request) the stream is the one finished output.
+        end, e.g. a non-streaming HTTP request) the stream is the one finished output. `cache_salt` goes
+        into the engine prompt (its prefix-cache hashes).
 
         An engine that refuses the request as overloaded (before any output) is skipped and the request
         routed to another; EngineOverloadedError reaches the caller only when every engine refused.
@@ -177,7 +179,8 @@ class DPCoordinator:
             try:
                 # aclosing: an early stop by the consumer closes the engine stream now (abort, bookkeeping).
                 async with contextlib.aclosing(
-                    self._generate_on(index, request_id, prompt_token_ids, sampling_params, priority, final_only)
+                    self._generate_on(index, request_id, prompt_token_ids, sampling_params, priority, final_only,
+                                      cache_salt)
                 ) as outputs:
                     async for output in outputs:
                         produced = True
@@ -191,7 +194,7 @@ class DPCoordinator:
 
     async def _generate_on(
         self, index: int, request_id: str, prompt_token_ids: list[int], sampling_params: dict, priority: int,
-        final_only: bool = False,
+        final_only: bool = False, cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         state = self.engines[index]
         self._remember_prefix(prompt_token_ids, index)
@@ -200,7 +203,10 @@ class DPCoordinator:
         self._requests[request_id] = index
         finished = False
         try:
-            args = (request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling_params, priority)
+            prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            args = (request_id, prompt, sampling_params, priority)
             # EngineActor.generate's fifth argument, `final_only`, sent only when set: a streaming call
             # stays the plain four-argument one that any engine handle (or test double) answers.
             stream = state.handle.generate.remote(*args, True) if final_only else state.handle.generate.remote(*args)

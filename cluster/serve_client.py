@@ -70,7 +70,8 @@ class ServeEngineClient:
         self._spec: dict[str, dict] = {}  # replica -> its latest speculative-decoding counters (when it speculates)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, final_only: bool = False,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs, or with `final_only` only the finished output (the engine then decodes
         its text once at the end). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
         (the replica died while serving this request). Closing the iteration early cancels the handle's
@@ -78,7 +79,7 @@ class ServeEngineClient:
         with _own_internal_request_id():
             # The prompt stays the second positional argument: the request router reads it there.
             response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params,
-                                                          priority, final_only=final_only)
+                                                          priority, final_only=final_only, cache_salt=cache_salt)
         restore = PromptRestorer()
         finished = False
         try:

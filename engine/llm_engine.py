@@ -55,8 +55,8 @@ class LLMEngine:
             if params.seed is not None:
                 child_params.seed = derive_seed(params.seed, index)  # distinct but reproducible samples
             child_id = f"{request_id}#{index}"
-            _, child = self.processor.process(child_id, {"prompt_token_ids": request.prompt_token_ids}, child_params,
-                                              priority, arrival_time)
+            child_prompt = {"prompt_token_ids": request.prompt_token_ids, "cache_salt": request.cache_salt}
+            _, child = self.processor.process(child_id, child_prompt, child_params, priority, arrival_time)
             self.output_processor.add_request(
                 child_id, text, request.prompt_token_ids, child_params, arrival_time, output_kind, parent, index
             )

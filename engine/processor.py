@@ -6,6 +6,11 @@ allowed_token_ids, bad_words as tokenized) in [0, vocab_size); logprobs and
 prompt_logprobs <= max_logprobs; priority in [-2**63, 2**63 - 1]; a prompt shorter than
 max_model_len; and an explicitly set max_tokens with prompt + max_tokens <= max_model_len
 (the default max_tokens is capped to the room left instead, as the OpenAI server does).
+
+A prompt dict may carry `cache_salt` (vLLM's prompt field): a string of 1 to CACHE_SALT_MAX_CHARS
+characters mixed into the hash of the prompt's first KV block, so that requests share prefix-cache
+blocks only with requests of the same salt (one tenant's cached prefix cannot be probed through
+another's time to first token).
 """
 
 from __future__ import annotations
@@ -19,11 +24,24 @@ from pagedserve.engine.core.request import Request
 from pagedserve.kv_transfer.scheduler_connector import continuation_token_ids
 from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids, check_token_ids
 
-# A prompt: text, or a dict with "prompt_token_ids" (or "prompt").
+# A prompt: text, or a dict with "prompt_token_ids" (or "prompt"), and optionally "cache_salt".
 PromptType = Union[str, Mapping[str, Any]]
 
 PRIORITY_MIN = -(2**63)
 PRIORITY_MAX = 2**63 - 1
+CACHE_SALT_MAX_CHARS = 256
+
+
+def cache_salt_of(prompt: PromptType) -> str | None:
+    """The prompt's `cache_salt` (None when it has none), validated."""
+    if not isinstance(prompt, Mapping) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str):
+        raise ValueError(f"cache_salt: expected a string, got {type(salt).__name__}")
+    if not 1 <= len(salt) <= CACHE_SALT_MAX_CHARS:
+        raise ValueError(f"cache_salt: expected 1 to {CACHE_SALT_MAX_CHARS} characters, got {len(salt)}")
+    return salt
 
 
 def load_tokenizer(path: str):
@@ -140,6 +158,7 @@ class Processor:
             raise ValueError(f"priority: expected an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError("priority: set scheduling_policy='priority' to use request priorities")
+        cache_salt = cache_salt_of(prompt)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         self.validate_params(params)
@@ -155,6 +174,7 @@ class Processor:
             max_tokens=max_tokens,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
+            cache_salt=cache_salt,
             bad_words_token_ids=bad_words,
         )
         for token_id in self._continuation(params, max_tokens):

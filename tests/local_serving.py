@@ -112,7 +112,8 @@ class ScriptedCoordinator:
         self.aborted: list[str] = []
         self.num_refreshes = 0
 
-    async def generate(self, request_id, prompt_token_ids, sampling_params, priority=0, final_only=False):
+    async def generate(self, request_id, prompt_token_ids, sampling_params, priority=0, final_only=False,
+                       cache_salt=None):
         from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
         if self.fail_at_start is not None:

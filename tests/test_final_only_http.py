@@ -38,8 +38,8 @@ class AlwaysDelta:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def generate(self, request_id, prompt_token_ids, sampling_params, priority=0, final_only=False):
-        return self.inner.generate(request_id, prompt_token_ids, sampling_params, priority)
+    def generate(self, request_id, prompt_token_ids, sampling_params, priority=0, final_only=False, cache_salt=None):
+        return self.inner.generate(request_id, prompt_token_ids, sampling_params, priority, cache_salt=cache_salt)
 
 
 def old_way_client(serving: OpenAIServing) -> TestClient:

@@ -161,6 +161,30 @@ def test_only_blocks_the_decode_cache_lacks_move(clients, servers):
     assert third["loaded_bytes"] - second["loaded_bytes"] < (second["loaded_bytes"] - first["loaded_bytes"]) / 4
 
 
+def test_cache_salt_salts_both_legs(clients, servers):
+    """The salt reaches the prefill and the decode engine: the same salt hits both engines' prefix
+    caches (only the tail moves), another salt hits neither (the whole prompt moves again)."""
+    _, pd = servers
+    prompt = [(9 * k) % 430 + 25 for k in range(26)]  # six full blocks and a tail of 2
+
+    def moved_and_hits(salt: str) -> tuple[int, int]:
+        before, hits = pd.kv_stats(pd.decode), pd.prefill.engine.get_stats().scheduler.prefix_cache_hits
+        mono, disagg = both(clients, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                         "cache_salt": salt})
+        assert not same_answer(mono, disagg)
+        deadline = time.monotonic() + 20  # published stats lag the answer by a loop turn
+        while pd.kv_stats(pd.decode)["loads"] == before["loads"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pd.wait_idle()
+        after = pd.kv_stats(pd.decode)
+        return (after["loaded_tokens"] - before["loaded_tokens"],
+                pd.prefill.engine.get_stats().scheduler.prefix_cache_hits - hits)
+
+    assert moved_and_hits("tenant-1") == (len(prompt), 0)
+    moved, hits = moved_and_hits("tenant-1")
+    assert moved < 4 and hits == 24
+    assert moved_and_hits("tenant-2") == (len(prompt), 0)
+
 def test_metrics_report_kv_transfer_and_pools(clients):
     _, pd_client = clients
     pd_client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[4], "max_tokens": 3,
@@ -320,3 +344,43 @@ def test_n_children_scheduled_in_separate_steps_read_no_released_kv(tiny_model_f
     finally:
         pd.close()
         mono.close()
+
+
+def test_a_stream_closed_after_its_first_token_releases_the_hold_at_once(tiny_model_factory):
+    """A caller that stops right after the first token (the prefill's own), before the decode leg starts,
+    or while the decode leg runs (its task cancelled): the producer's hold goes within a second, not at
+    hold_timeout_s."""
+    pd = LocalPD(str(tiny_model_factory("llama", max_position_embeddings=512)))
+    params = {"max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    connector = pd.prefill.engine.engine.engine_core.scheduler.kv_connector
+
+    async def held_after(stop) -> tuple[int, int]:
+        """(held right after the first token, held once the caller stopped and a second passed)."""
+        stream = pd.client.generate(f"early-{stop.__name__}", PROMPTS[4], params)
+        first = await anext(stream)
+        assert len(first.outputs[0].token_ids) == 1
+        held = len(connector._held)
+        await stop(stream)
+        deadline = time.monotonic() + 1.0
+        while connector._held and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # (the release is fire and forget on this loop)
+        return held, len(connector._held)
+
+    async def close(stream) -> None:
+        await stream.aclose()
+
+    async def cancel_in_decode(stream) -> None:
+        task = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        for stop in (close, cancel_in_decode):
+            assert asyncio.run(held_after(stop)) == (1, 0), stop.__name__
+        assert pd.kv_stats(pd.prefill)["expired_holds"] == 0
+        for free, total, held in pd.wait_idle():
+            assert (free, held) == (total, 0)
+    finally:
+        pd.close()

@@ -16,8 +16,9 @@ monolithic engine's.
 - Requests asking for prompt logprobs run on a decode engine alone (a consumer computes the prompt
   positions it needs logprobs for itself, so a prefill would be wasted).
 - The producer's hold is released when the decode's first output arrives (n == 1), when the decode
-  ends or fails, or when the prefill's output was the answer (the consumer also releases after its
-  last reader loaded; releases are idempotent, and the producer's `hold_timeout_s` frees anything left).
+  ends or fails, when the prefill's output was the answer, or as soon as the caller stops reading at
+  any point (the consumer also releases after its last reader loaded; releases are idempotent, and the
+  producer's `hold_timeout_s` frees anything left).
 - n > 1: the decode engine's n children share one hold, which it releases after the last of them has
   loaded; the router's own release waits for the end of the request (not its first output).
 - Faults: a prefill engine that is dead or refuses the request (overloaded) -> the request is
@@ -118,8 +119,9 @@ class PDClient:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0, final_only: bool = False) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs. Raises ValueError (bad input), EngineOverloadedError (every decode engine
+                       priority: int = 0, final_only: bool = False,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs. `cache_salt` goes to both legs (both engines' prefix caches are salted). Raises ValueError (bad input), EngineOverloadedError (every decode engine
         refused), or EngineDeadError (the decode engine died while serving this request).
 
         `final_only` (the caller reads only the end): a decode leg that computes the whole output itself
@@ -129,7 +131,7 @@ class PDClient:
         user = {**sampling_params, "kv_transfer_params": None}
         if user.get("prompt_logprobs") is not None:
             self.counters.decode_only += 1
-            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output
             return
         one_shot = user.get("max_tokens") == 1 and int(user.get("n") or 1) == 1
@@ -137,13 +139,13 @@ class PDClient:
         outputs: list[RequestOutput] = []
         try:
             async with contextlib.aclosing(self.prefill.generate(request_id, prompt_token_ids, params,
-                                                                 priority)) as stream:
+                                                                 priority, cache_salt=cache_salt)) as stream:
                 async for output in stream:
                     outputs.append(output)
         except (EngineDeadError, EngineOverloadedError) as exc:
             self.counters.prefill_fallbacks += 1
             logger.warning("request %s: prefill failed (%s); computing it on a decode engine", request_id, exc)
-            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output
             return
         final = outputs[-1]
@@ -158,7 +160,7 @@ class PDClient:
             return
         if remote is None:  # the producer kept nothing (e.g. the prompt did not fill a block): compute it
             self.counters.prefill_fallbacks += 1
-            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only):
+            async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output
             return
         self.counters.pd_requests += 1
@@ -174,11 +176,14 @@ class PDClient:
             # engine continues from it: it loads the whole prompt and computes only that token onwards.
             self.counters.continuations += 1
             decode_params["kv_transfer_params"] = {**remote, "continue_remote_output": True}
-            yield first
         first_logprob = first.outputs[0].cumulative_logprob if first is not None else None
+        # Every yield from here on sits inside the try: a caller that stops at any of them (closes or cancels
+        # the stream, e.g. its client left right after the first token) releases the hold now, not at expiry.
         try:
+            if first is not None:
+                yield first
             async with contextlib.aclosing(self._decode(request_id, prompt_token_ids, decode_params, priority,
-                                                        final_only and first is None)) as stream:
+                                                        final_only and first is None, cache_salt)) as stream:
                 async for output in stream:
                     if early and not released:
                         released = True
@@ -193,8 +198,9 @@ class PDClient:
                 self._release(remote)
 
     def _decode(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                priority: int, final_only: bool = False) -> AsyncIterator[RequestOutput]:
-        return self.decode.generate(request_id, prompt_token_ids, params, priority, final_only=final_only)
+                priority: int, final_only: bool = False, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        return self.decode.generate(request_id, prompt_token_ids, params, priority, final_only=final_only,
+                                    cache_salt=cache_salt)
 
     def _release(self, remote: dict[str, Any]) -> None:
         """Free the producer's hold (fire and forget: a dead producer's blocks went with it)."""

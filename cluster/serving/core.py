@@ -186,10 +186,11 @@ class OpenAIServing:
         self.num_in_flight -= 1
 
     def _streams(self, request_id: str, prompts: list[EncodedPrompt], params: list[dict], priority: int,
-                 timers: list[RequestTimer], final_only: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 timers: list[RequestTimer], final_only: bool,
+                 cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [
             timed(self.coordinator.generate(f"{request_id}-{p.index}", p.token_ids, sp, priority,
-                                            final_only=final_only), timer)
+                                            final_only=final_only, cache_salt=cache_salt), timer)
             for p, sp, timer in zip(prompts, params, timers)
         ]
         return merge_streams(streams)
@@ -214,7 +215,8 @@ class OpenAIServing:
                     f" (user {request.user!r})" if request.user else "")
         final_only = not request.stream
         timers = [RequestTimer(self.metrics, len(p.token_ids), final_only=final_only) for p in prompts]
-        outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers, final_only))
+        outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers, final_only,
+                                               request.cache_salt))
         try:
             try:
                 first = await outputs.__anext__()

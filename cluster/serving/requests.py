@@ -37,6 +37,7 @@ from pagedserve.cluster.serving.validation import (
     check_text_encodable,
     unsupported_field,
 )
+from pagedserve.engine.processor import CACHE_SALT_MAX_CHARS
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output.params import StructuredOutputsParams
 
@@ -117,6 +118,8 @@ class SamplingRequest(OpenAIRequest):
     ignore_eos: bool = False
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    # Prefix-cache isolation: only requests with the same salt share cached prompt blocks.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX_CHARS)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

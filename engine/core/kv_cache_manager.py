@@ -7,10 +7,17 @@ The scheduler talks to this class only. A request (duck-typed) provides `request
 Per request the manager keeps its block list, the hashes of its full blocks (extended
 incrementally as tokens arrive, never recomputed) and how many of its blocks are
 already registered in the prefix cache. `free` drops all of it.
+
+Blocks whose KV a connector is still loading (prefill/decode disaggregation) are no prefix hits for
+anyone: they are registered only once the load has come back intact (`finish_load`), so a load that
+fails can only ever have been read by the request that loaded it. Blocks found untrustworthy after
+the fact (`invalidate_blocks`) lose their hashes, and every request holding one is told where its
+valid prefix ends so that it recomputes from there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +72,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # Requests with a KV load in flight -> index of the first of their blocks it writes: neither that
+        # block nor any later one enters the prefix cache before the load has landed.
+        self._loading_from: dict[str, int] = {}
         self._stats = PrefixCacheStats()
         self.total_prefix_cache_stats = PrefixCacheStats()
 
@@ -135,8 +145,13 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_loading_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make the request own blocks for computed + new computed + new tokens.
+
+        `num_loading_tokens`: the first that many of the new tokens get their KV from a connector's
+        load, not from this step's computation; the blocks from the one holding the first of them on
+        stay out of the prefix cache until `finish_load`.
 
         Returns the newly allocated blocks (not the hit blocks), or None, with nothing
         changed, when there are not enough free blocks.
@@ -145,6 +160,9 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens: must be >= 0, got {num_new_tokens}")
         if num_new_computed_tokens < 0:
             raise ValueError(f"num_new_computed_tokens: must be >= 0, got {num_new_computed_tokens}")
+        if not 0 <= num_loading_tokens <= num_new_tokens:
+            raise ValueError(f"num_loading_tokens: must be in [0, num_new_tokens={num_new_tokens}], "
+                             f"got {num_loading_tokens}")
         rid = request.request_id
         hit_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(rid)
@@ -173,6 +191,8 @@ class KVCacheManager:
             req_blocks.extend(hit_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed)
         req_blocks.extend(new_blocks)
+        if num_loading_tokens:
+            self._loading_from.setdefault(rid, num_prior_tokens // self.block_size)
 
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, min(num_total_tokens, len(request.all_token_ids)))
@@ -183,12 +203,48 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: KVRequest, req_blocks: list[KVCacheBlock], num_known_tokens: int) -> None:
         rid = request.request_id
         num_cached = self.num_cached_blocks.get(rid, 0)
-        num_full = num_known_tokens // self.block_size
+        num_full = min(num_known_tokens // self.block_size, self._loading_from.get(rid, num_known_tokens))
         if num_full <= num_cached:
             return
         hashes = self._block_hashes(request)
         self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
         self.num_cached_blocks[rid] = num_full
+
+    def finish_load(self, request: KVRequest) -> None:
+        """The request's KV load landed intact: its loaded (and since computed) full blocks become prefix hits."""
+        rid = request.request_id
+        if self._loading_from.pop(rid, None) is None:
+            return
+        blocks = self.req_to_blocks.get(rid)
+        if blocks and self.enable_caching:
+            self._cache_full_blocks(request, blocks, min(request.num_computed_tokens, len(request.all_token_ids)))
+
+    def invalidate_blocks(self, block_ids: Iterable[int]) -> dict[str, int]:
+        """Blocks whose KV is not to be trusted (a load that failed): no lookup finds them again.
+
+        Returns every request holding one of them -> the index (in its block list) of its first such
+        block. Its blocks from there on lose their hashes too (their KV was computed over the invalid
+        one) and are registered again as the request recomputes them. Blocks stay allocated: the caller
+        rolls each request's computed tokens back to the start of its first invalid block (or frees it).
+        """
+        invalid = set(block_ids)
+        if not invalid:
+            return {}
+        pool = self.block_pool
+        for block_id in invalid:
+            pool.uncache_block(pool.blocks[block_id])
+        affected: dict[str, int] = {}
+        for rid, blocks in self.req_to_blocks.items():
+            first = next((i for i, b in enumerate(blocks) if b.block_id in invalid), None)
+            if first is None:
+                continue
+            affected[rid] = first
+            for block in blocks[first:]:
+                pool.uncache_block(block)
+            self.num_cached_blocks[rid] = min(self.num_cached_blocks.get(rid, 0), first)
+            if self._loading_from.get(rid, first) >= first:
+                self._loading_from.pop(rid, None)  # (a load into blocks it will recompute anyway)
+        return affected
 
     def _record_stats(self, num_query_tokens: int, num_hit_tokens: int, resumed: bool) -> None:
         for stats in (self._stats, self.total_prefix_cache_stats):
@@ -207,6 +263,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid, None)
         self.req_to_block_hashes.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
+        self._loading_from.pop(rid, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 

@@ -238,7 +238,7 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin, AsyncSched
                 break
             num_new = min(num_new, budget)
             blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new + num_external, num_cached, computed_blocks
+                request, num_new + num_external, num_cached, computed_blocks, num_loading_tokens=num_external
             )
             if blocks is None:
                 if not self.running and not scheduled and not self._in_flight:
@@ -375,12 +375,11 @@ class Scheduler(KVTransferSchedulingMixin, SpecDecodeSchedulingMixin, AsyncSched
         self._unfittable = []
         self._update_kv_loads(scheduler_output, runner_output)
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            self._step_returned(rid)
+            void = self._step_returned(rid)
             request = self.requests.get(rid)
             if request is None:  # finished (aborted) while its batch was running
                 continue
-            if rid in runner_output.kv_load_failed:
-                self._recompute_after_failed_load(request)
+            if void:  # it read KV found invalid (a failed load) and was rolled back: nothing of it counts
                 continue
             chunk_start = request.num_computed_tokens - num_tokens - self._in_flight.num_tokens(rid)  # (later steps)
             prompt_left = max(0, request.num_prompt_tokens - chunk_start)

@@ -31,18 +31,36 @@ class InFlightSteps:
 
     def __init__(self) -> None:
         self._steps: dict[str, deque[tuple[int, bool]]] = {}
+        # Requests whose batches in flight computed over KV found invalid -> how many of those batches
+        # are still to come back (their results are dropped).
+        self._void: dict[str, int] = {}
 
     def add(self, request_id: str, num_tokens: int, samples: bool) -> None:
         self._steps.setdefault(request_id, deque()).append((num_tokens, samples))
 
-    def pop(self, request_id: str) -> None:
-        """The request's oldest batch came back."""
+    def pop(self, request_id: str) -> bool:
+        """The request's oldest batch came back; True when its result is void (see `void`)."""
         steps = self._steps.get(request_id)
         if steps is None:
-            return
+            return False
         steps.popleft()
         if not steps:
             del self._steps[request_id]
+        num_void = self._void.get(request_id, 0)
+        if num_void:
+            if num_void == 1:
+                del self._void[request_id]
+            else:
+                self._void[request_id] = num_void - 1
+        return bool(num_void)
+
+    def void(self, request_id: str) -> None:
+        """Every batch of the request now in flight read invalid KV: drop their results when they return."""
+        if request_id in self._steps:
+            self._void[request_id] = len(self._steps[request_id])
+
+    def is_void(self, request_id: str) -> bool:
+        return request_id in self._void
 
     def steps(self, request_id: str) -> tuple[tuple[int, bool], ...]:
         return tuple(self._steps.get(request_id, ()))
@@ -84,6 +102,8 @@ class AsyncSchedulingMixin:
         """Whether a batch in flight keeps this running request out of the step being scheduled."""
         if request.request_id not in self._in_flight:
             return False
+        if self._in_flight.is_void(request.request_id):
+            return True  # rolled back: it resumes once the batches that read the invalid KV are back
         return not (self.async_scheduling and self._can_schedule_ahead(request))
 
     def _can_schedule_ahead(self, request: Request) -> bool:
@@ -100,12 +120,14 @@ class AsyncSchedulingMixin:
         samples = request.num_computed_tokens + num_tokens >= self._tokens_ahead(request)
         self._in_flight.add(request.request_id, num_tokens, samples)
 
-    def _step_returned(self, request_id: str) -> None:
-        self._in_flight.pop(request_id)
+    def _step_returned(self, request_id: str) -> bool:
+        """The request's oldest batch came back; True when its result is to be dropped (it read invalid KV)."""
+        void = self._in_flight.pop(request_id)
         if request_id not in self._in_flight:
             request = self._deferred_frees.pop(request_id, None)
             if request is not None:
                 self.kv_cache_manager.free(request)
+        return void
 
     def _free_blocks(self, request: Request) -> None:
         if self.async_scheduling and request.request_id in self._in_flight:
