@@ -165,7 +165,7 @@ def serve_args_from(ns: argparse.Namespace) -> ServeArgs:
 def cmd_serve(args: ServeArgs) -> int:
     from ray import serve
 
-    from pagedserve.cluster.serve_app import server_url, shutdown_server, start_server
+    from pagedserve.cluster.serve_app import server_url, start_server, stop_server
 
     if args.disaggregated:
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
@@ -188,19 +188,18 @@ def cmd_serve(args: ServeArgs) -> int:
     if args.autoscaling:
         print(f"pagedserve: engine replicas autoscale between {args.min_replicas or 1} and "
               f"{args.max_replicas or max(args.min_replicas or 1, args.data_parallel_size)}", flush=True)
+    stop = threading.Event()  # set before "ready" is printed: a Ctrl-C right after it stops cleanly too
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     url = server_url(args)
     print(f"pagedserve: ready at {url}/v1  (health {url}/health, metrics {url}/metrics). Ctrl-C to stop.",
           flush=True)
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
         if args.app_name not in serve.status().applications:
             print("pagedserve: the application is gone; exiting", file=sys.stderr)
             return 1
     print("pagedserve: shutting down ...", flush=True)
-    shutdown_server()
+    stop_server(args.app_name)
     return 0
 
 
