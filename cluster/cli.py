@@ -188,7 +188,7 @@ def cmd_serve(args: ServeArgs) -> int:
     if args.autoscaling:
         print(f"pagedserve: engine replicas autoscale between {args.min_replicas or 1} and "
               f"{args.max_replicas or max(args.min_replicas or 1, args.data_parallel_size)}", flush=True)
-    stop = threading.Event()  # set before "ready" is printed: a Ctrl-C right after it stops cleanly too
+    stop = threading.Event()  # handlers in place before "ready" is printed: a Ctrl-C right after it stops cleanly
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     url = server_url(args)

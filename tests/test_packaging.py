@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -163,6 +162,7 @@ def _run_commands(pagedserve: str, env: dict[str, str], cwd: Path) -> None:
 
 def test_pyproject_declares_the_runtime_requirements():
     """`pip install pagedserve` reads pyproject.toml, `make` reads requirements.txt: the same packages."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     declared = {_canonical(Requirement(r).name): Requirement(r).extras
                 for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
     pinned = {_canonical(r.name): r.extras for r in _requirement_lines(ROOT / "requirements.txt")}
