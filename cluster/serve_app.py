@@ -10,7 +10,8 @@
 
 `build_app(args)` is the app builder for `serve run pagedserve.cluster.serve_app:build_app ...` and
 Serve config files (`manifests/serve_config.yaml`); `start_server` / `shutdown_server` run it
-programmatically (the CLI, tests, the benchmark), so both run the same app.
+programmatically (the CLI, tests, the benchmark), so both run the same app; `stop_server` is the
+CLI's quiet stop.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pagedserve.cluster.serving.settings import ServeArgs
 logger = logging.getLogger(__name__)
 
 __all__ = ["PagedServeEngine", "PagedServeIngress", "ROUTER_CLASS", "build_app", "build_fastapi_app",
-           "engine_deployment_options", "server_url", "shutdown_server", "start_server"]
+           "engine_deployment_options", "server_url", "shutdown_server", "start_server", "stop_server"]
 
 ROUTER_CLASS = "pagedserve.cluster.serve_router:PrefixAffinityRouter"
 # Admission is ours (max_pending_requests -> 503 in the ingress, EngineOverloadedError in the engine).
@@ -197,6 +198,17 @@ def shutdown_server(app_name: str | None = None) -> None:
         serve.shutdown()
     else:
         serve.delete(app_name)
+
+
+def stop_server(app_name: str) -> None:
+    """Stop what `start_server` started, quietly: delete the app (its engine replicas finish and stop
+    their engines), then leave Ray. A local instance this process started stops with Serve's actors in
+    it; a joined cluster keeps running (its Serve too, without this app). `serve.shutdown()` is not the
+    way: the controller it kills fails its own pending calls, which Ray prints as task failures."""
+    import ray
+
+    serve.delete(app_name)
+    ray.shutdown()
 
 
 def server_url(args: ServeArgs) -> str:

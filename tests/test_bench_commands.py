@@ -43,6 +43,16 @@ def _check_roofline(run: dict, phases: set[str]) -> None:
     for r in run["roofline"].values():
         assert r["ideal_s"] > 0 and r["measured_s"] > 0 and r["percent_of_ideal"] > 0
         assert r["weight_bytes"] > 0 and r["flops"] > 0
+        # The verdict rests on the figures beside it (issue 34: never a bound the measurements contradict).
+        assert r["bandwidth_use"] == pytest.approx(r["t_memory"] / r["measured_s"])
+        assert r["matmul_use"] == pytest.approx(r["t_compute"] / r["measured_s"])
+        if r["verdict"] in ("memory-bound", "compute-bound"):
+            use = r["bandwidth_use"] if r["verdict"] == "memory-bound" else r["matmul_use"]
+            assert use >= 0.5 and use == max(r["bandwidth_use"], r["matmul_use"])
+        else:
+            assert max(r["bandwidth_use"], r["matmul_use"]) < 0.5
+            host = r["host_share"]
+            assert (r["verdict"] == "host-bound") == (host is not None and host >= 0.5), r
 
 
 def test_bench_latency(model, roofline_file, tmp_path, capsys):
@@ -63,6 +73,8 @@ def test_bench_latency(model, roofline_file, tmp_path, capsys):
     assert run["roofline"]["prefill"]["tokens"] == 24 and run["roofline"]["decode"]["tokens"] == 3
     host = run["host_overhead"]  # the batch's 3 decode steps after its prefill, timed by the engine
     assert host["steps"] == 3 and 0 < host["model_ms"] <= host["step_ms"] and 0 <= host["host_share"] < 1
+    assert run["roofline"]["decode"]["host_share"] == host["host_share"]
+    assert 0 <= run["roofline"]["prefill"]["host_share"] < 1  # the batch's prefill steps, measured the same way
     assert "host overhead of a decode step at batch 3" in printed
 
 
@@ -84,6 +96,14 @@ def test_bench_throughput_against_hf(model, roofline_file, tmp_path):
         ours["throughput"]["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"])
     _check_roofline(ours, {"run"})
     assert ours["host_overhead"]["steps"] > 0 and 0 <= ours["host_overhead"]["host_share"] < 1
+    # The engine's own step count and host share (issue 34: not a model of full batches).
+    assert ours["roofline"]["run"]["steps"] == ours["host_overhead"]["steps"]
+    assert ours["roofline"]["run"]["host_share"] == ours["host_overhead"]["host_share"]
+    _check_roofline(hf, {"run"})
+    assert hf["roofline"]["run"]["host_share"] is None
+    # 5 requests > 2 calibration prompts: both sizes measured on the sample, the faster ran them all.
+    assert set(report["summary"]["hf_out_tok_s_by_batch_size"]) == {"2", "4"}
+    assert report["summary"]["hf_swept_on"] == "the first 2 requests"
     # A decode step's host share at each asked batch size (999 > max_num_seqs: not measurable).
     decode = report["summary"]["decode_host_overhead"]
     assert set(decode) == {"3", "8", "999"} and decode["999"] is None

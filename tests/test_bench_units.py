@@ -8,11 +8,12 @@ import math
 
 import pytest
 
-from pagedserve.cluster.bench import readme
+from pagedserve.cluster.bench import hf_baseline, readme, roofline
 from pagedserve.cluster.bench import report as rep
 from pagedserve.cluster.bench.roofline import Machine, ModelFacts, machine_figures, probe, run_roofline, step_roofline
 from pagedserve.cluster.bench.slo import RequestLatency, goodput, max_rate_meeting_slo, meets_slo, parse_slo
 from pagedserve.cluster.bench.tune import pick_best
+from pagedserve.cluster.bench.workload import BenchRequest
 from pagedserve.cluster.cli import main
 
 # ----------------------------------------------------------------------------- SLO and goodput
@@ -94,27 +95,53 @@ def test_step_roofline_memory_bound_decode():
     assert r.percent_of_ideal == pytest.approx(100 * r.ideal_s / 2.0)
 
 
-def test_step_roofline_compute_bound_prefill_and_host_bound():
+def test_step_roofline_compute_bound_prefill():
     r = step_roofline(FACTS, MACHINE, tokens=512, context_tokens=512, measured_s=40.0,
                       attention_pairs=512 * 513 // 2)
-    assert r.t_compute > r.t_memory and r.verdict == "compute-bound"
-    slow = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=10.0, steps=1)
-    assert slow.verdict == "host-bound"  # 10 s against an ideal of 1.6 s: more than 4x
-    per_step = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=10.0, steps=10)
-    assert per_step.measured_s == pytest.approx(1.0) and per_step.verdict == "memory-bound"
+    assert r.t_compute > r.t_memory and r.matmul_use > 1 and r.verdict == "compute-bound"
+    per_step = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=20.0, steps=10)
+    assert per_step.measured_s == pytest.approx(2.0) and per_step.verdict == "memory-bound"
     with pytest.raises(ValueError):
         step_roofline(FACTS, MACHINE, tokens=0, context_tokens=1, measured_s=1.0)
     with pytest.raises(ValueError):
         step_roofline(FACTS, MACHINE, tokens=1, context_tokens=1, measured_s=0.0)
+    with pytest.raises(ValueError, match="host_share"):
+        step_roofline(FACTS, MACHINE, tokens=1, context_tokens=1, measured_s=1.0, host_share=1.5)
 
 
-def test_run_roofline_counts_steps_and_context():
-    r = run_roofline(FACTS, MACHINE, [(4, 3), (2, 1)], batch_size=2, measured_s=4.0)
-    assert r.steps == 2  # 4 output tokens at 2 per step
+def test_verdict_names_only_a_measured_bound():
+    """Issue 34: a decode step at 22.5% of its (memory) ideal whose measured host share is 1% was called
+    host-bound. Far from both roofs, the host's measured share decides; without one the gap is unexplained."""
+    ideal = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=1.0).ideal_s
+    slow = ideal / 0.225
+    low_host = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=slow, host_share=0.01)
+    assert low_host.percent_of_ideal == pytest.approx(22.5)
+    assert low_host.bandwidth_use == pytest.approx(0.225) and low_host.host_share == 0.01
+    assert low_host.verdict == "unexplained"
+    assert step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=slow).verdict == "unexplained"
+    busy_host = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=slow, host_share=0.7)
+    assert busy_host.verdict == "host-bound"
+    # Half of the bandwidth reached: the roof names the bound, whatever the host's share.
+    near_roof = step_roofline(FACTS, MACHINE, tokens=2, context_tokens=10, measured_s=ideal / 0.6, host_share=0.7)
+    assert near_roof.bandwidth_use == pytest.approx(0.6) and near_roof.verdict == "memory-bound"
+    assert roofline.verdict(0.1, 0.55, None) == "compute-bound"
+    assert roofline.verdict(0.49, 0.3, 0.49) == "unexplained"
+    assert set(roofline.VERDICTS) == set(rep.REPORT_SCHEMA["properties"]["runs"]["items"]["properties"]["roofline"][
+        "additionalProperties"]["properties"]["verdict"]["enum"])
+
+
+def test_run_roofline_takes_the_measured_step_count():
+    r = run_roofline(FACTS, MACHINE, [(4, 3), (2, 1)], steps=2, measured_s=4.0)
+    assert r.steps == 2
     assert r.tokens == 5  # 10 tokens over 2 steps
     # context: prompts 6 + decode 3*(4+1) + 1*(2+0) = 23 -> 11.5 a step
     assert r.context_tokens == round(23 / 2)
     assert r.measured_s == pytest.approx(2.0)
+    # Issue 34: the engine ran 240 steps where a model of full batches says 119; the measured count is used.
+    engine = run_roofline(FACTS, MACHINE, [(300, 100)] * 256, steps=240, measured_s=30.5, host_share=0.2)
+    assert engine.steps == 240 and engine.measured_s == pytest.approx(30.5 / 240) and engine.host_share == 0.2
+    with pytest.raises(ValueError, match="steps"):
+        run_roofline(FACTS, MACHINE, [(4, 3)], steps=0, measured_s=1.0)
 
 
 def test_probe_smoke_and_cache(tmp_path, monkeypatch):
@@ -134,6 +161,70 @@ def test_probe_smoke_and_cache(tmp_path, monkeypatch):
     path.write_text("not json")
     assert machine_figures(path, bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",),
                            repeats=1).memory_bandwidth > 0
+
+
+# ----------------------------------------------------------------------------- the HF baseline's sweep
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeHF:
+    """HF `generate` on a fake clock: a forward pass over b rows costs 1 + b^2 seconds (so batch 1 is the
+    fastest per token), and the first call costs `cold_s` more (the set-up a first call pays)."""
+
+    def __init__(self, clock: FakeClock, cold_s: float = 0.0) -> None:
+        self.clock, self.cold_s, self.calls = clock, cold_s, []
+
+    def generate(self, ids, max_new_tokens, **_):
+        rows = ids.shape[0]
+        self.clock.now += (self.cold_s if not self.calls else 0.0) + max_new_tokens * (1 + rows * rows)
+        self.calls.append((rows, max_new_tokens))
+
+
+def _fake_hf(monkeypatch, cold_s: float = 100.0) -> FakeHF:
+    clock = FakeClock()
+    model = FakeHF(clock, cold_s)
+    monkeypatch.setattr(hf_baseline, "load_hf_model", lambda path, dtype: model)
+    monkeypatch.setattr(hf_baseline, "time", type("FakeTime", (), {"perf_counter": staticmethod(clock)}))
+    return model
+
+
+def test_hf_baseline_sweeps_the_whole_workload_after_a_warm_up(monkeypatch):
+    """Issue 34: the HF figure must be HF at its best batch size. The first call's set-up lands on the
+    warm-up, not on the first size measured (which is the fastest here), and a workload no larger than the
+    calibration sample is run whole at every size, the fastest run being the baseline."""
+    model = _fake_hf(monkeypatch)
+    workload = [BenchRequest([5, 6, 7], 4) for _ in range(8)]
+    result = hf_baseline.hf_baseline("m", None, workload, [4, 2, 1, 64], sample=32)
+    assert model.calls[0] == (1, 2)  # the warm-up: one request, two new tokens
+    assert sorted(result.rates) == [1, 2, 4, 8]  # 64 over 8 requests is one batch of 8
+    assert result.swept_whole_workload and result.batch_size == 1
+    assert result.seconds == pytest.approx(8 * 4 * 2)  # 8 batches of 1 row, 4 passes of 2 s each
+    assert result.rates[1] == pytest.approx(32 / result.seconds) and result.rates[8] < result.rates[2] < result.rates[1]
+    assert len(model.calls) == 1 + 8 + 4 + 2 + 1  # the warm-up, then each size once: nothing runs twice
+    assert result.steps == 8 * 4
+
+
+def test_hf_baseline_calibrates_a_large_workload_on_a_sample(monkeypatch):
+    model = _fake_hf(monkeypatch)
+    workload = [BenchRequest([5, 6, 7], 4) for _ in range(12)]
+    result = hf_baseline.hf_baseline("m", None, workload, [1, 2, 4], sample=4)
+    assert not result.swept_whole_workload and result.batch_size == 1
+    assert len(model.calls) == 1 + (4 + 2 + 1) + 12  # warm-up, the 4-request sample at each size, the whole run
+    assert result.seconds == pytest.approx(12 * 4 * 2)
+
+
+def test_hf_forward_passes_and_batch_sizes():
+    workload = [BenchRequest([1], n) for n in (3, 5, 2, 7, 1)]
+    assert hf_baseline.forward_passes(workload, 2) == 5 + 7 + 1
+    assert hf_baseline.forward_passes(workload, 8) == 7
+    assert hf_baseline.batch_sizes_to_measure([64, 2, 8, 2], 5) == [2, 5]
 
 
 # ----------------------------------------------------------------------------- report schema and README

@@ -220,3 +220,27 @@ def test_model_path_resolution(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         EngineConfig(model=str(tmp_path / "junk.gguf")).resolve()
+
+
+def test_dtype_of_a_gguf_config_is_read_without_the_deprecated_alias(tmp_path, monkeypatch):
+    """Issue 34: a GGUF file's config has no dtype, and reading `config.torch_dtype` for it made transformers 5
+    warn that `torch_dtype` is deprecated. `dtype` is read; `torch_dtype` only as an old config's plain attribute."""
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+
+    from pagedserve.engine.models.loader import resolve_dtype
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", hf_weights("llama", tied=True), "F16")
+    hf_config = EngineConfig(model=str(path)).resolve().hf_config
+    assert hf_config.dtype is None
+
+    def deprecated(self):
+        raise AssertionError("read the deprecated PretrainedConfig.torch_dtype")
+
+    monkeypatch.setattr(PretrainedConfig, "torch_dtype", property(deprecated))
+    assert resolve_dtype("auto", hf_config) == torch.float32
+    # An old config object with only `torch_dtype` still names its dtype.
+    assert resolve_dtype("auto", SimpleNamespace(torch_dtype="bfloat16")) == torch.bfloat16
+    assert resolve_dtype("auto", SimpleNamespace(dtype=torch.float16, torch_dtype="bfloat16")) == torch.float16

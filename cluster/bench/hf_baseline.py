@@ -1,11 +1,18 @@
 """The HF transformers baseline of `bench throughput --baseline hf`: `generate` with static batching
-(vLLM's HF baseline), on the same weights, dtype and workload, in the same process."""
+(vLLM's HF baseline), on the same weights, dtype and workload, in the same process, at its best batch size.
+
+The model runs one short warm-up `generate` first, so that no batch size pays the first call's set-up.
+Then every candidate batch size is measured: on the whole workload when it holds no more requests than
+the calibration sample (the fastest run is the baseline, nothing is run again), else on the sample, and
+the fastest one runs the whole workload.
+"""
 
 from __future__ import annotations
 
 import gc
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -23,6 +30,32 @@ def load_hf_model(path: str, dtype: Any):
     if gguf_file is not None:
         return AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype).eval()
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+@dataclass(frozen=True)
+class HFBaseline:
+    """HF `generate` over the whole workload at its best batch size."""
+
+    seconds: float
+    batch_size: int
+    steps: int  # forward passes over the workload (each batch: as many as its longest output)
+    rates: dict[int, float]  # output tok/s of every batch size measured
+    swept_whole_workload: bool  # the rates are whole-workload runs (else: on the calibration sample)
+
+
+def forward_passes(workload: list[BenchRequest], batch_size: int) -> int:
+    """The forward passes `run_hf` makes: each batch generates its longest output length."""
+    return sum(max(r.output_len for r in workload[i : i + batch_size]) for i in range(0, len(workload), batch_size))
+
+
+def batch_sizes_to_measure(candidates: list[int], num_requests: int) -> list[int]:
+    """The candidates as they batch `num_requests` requests: sizes above it all mean one batch of them all."""
+    return sorted({min(bs, num_requests) for bs in candidates})
+
+
+def warm_up(model: Any, request: BenchRequest, pad_id: int = 0) -> None:
+    """One short `generate`, so that the first measured batch size does not pay the first call's set-up."""
+    run_hf(model, [BenchRequest(request.prompt_token_ids, 2)], 1, pad_id, desc="")
 
 
 def run_hf(model: Any, workload: list[BenchRequest], batch_size: int, pad_id: int = 0,
@@ -61,20 +94,37 @@ def best_batch_size(model: Any, workload: list[BenchRequest], candidates: list[i
     return max(scores, key=scores.__getitem__), scores
 
 
+def sweep(model: Any, workload: list[BenchRequest], sizes: list[int], pad_id: int = 0) -> dict[int, float]:
+    """Seconds of the whole workload at every batch size."""
+    seconds: dict[int, float] = {}
+    for bs in sizes:
+        seconds[bs] = run_hf(model, workload, bs, pad_id, desc=f"HF generate (batch {bs})")
+        print(f"    HF generate: batch {bs:>3}: {sum(r.output_len for r in workload) / seconds[bs]:8.1f} out tok/s",
+              file=sys.stderr, flush=True)
+    return seconds
+
+
 def hf_baseline(path: str, torch_dtype: Any, workload: list[BenchRequest], candidates: list[int],
-                sample: int, pad_id: int = 0) -> tuple[float, int, dict[int, float]]:
-    """(seconds, batch size, calibration rates) of HF `generate` on the whole workload at its best batch."""
+                sample: int, pad_id: int = 0) -> HFBaseline:
+    """HF `generate` on the whole workload at its best batch size among `candidates` (module docstring)."""
+    sizes = batch_sizes_to_measure(candidates, len(workload))
+    output_tokens = sum(r.output_len for r in workload)
     model = load_hf_model(path, torch_dtype)
     try:
-        if len(candidates) > 1:
-            best, scores = best_batch_size(model, workload, candidates, sample, pad_id)
+        warm_up(model, workload[0], pad_id)
+        whole = len(sizes) == 1 or len(workload) <= sample
+        if whole:
+            times = sweep(model, workload, sizes, pad_id)
+            best = min(times, key=times.__getitem__)
+            seconds, rates = times[best], {bs: output_tokens / t for bs, t in times.items()}
         else:
-            best, scores = candidates[0], {}
-        seconds = run_hf(model, workload, best, pad_id, desc=f"HF generate (batch {best})")
+            best, rates = best_batch_size(model, workload, sizes, sample, pad_id)
+            seconds = run_hf(model, workload, best, pad_id, desc=f"HF generate (batch {best})")
     finally:
         del model
         gc.collect()
-    return seconds, best, scores
+    return HFBaseline(seconds=seconds, batch_size=best, steps=forward_passes(workload, best), rates=rates,
+                      swept_whole_workload=whole)
 
 
 def parse_batch_sizes(text: str) -> list[int]:

@@ -64,14 +64,16 @@ def _iteration(llm: Any, prompts: list[dict], params: Any) -> tuple[float, float
     return e2e, prefill, decode
 
 
-def decode_host_overhead(llm: Any, prompts: list[dict], params: Any) -> dict[str, float] | None:
-    """The host's share of the batch's decode steps: prefill first (until every request has its first
-    token), then time the steps that follow."""
+def host_overheads(llm: Any, prompts: list[dict], params: Any) -> tuple[dict[str, float] | None,
+                                                                        dict[str, float] | None]:
+    """The host's share of the batch's prefill steps (until every request has its first token) and of
+    the decode steps that follow, each timed by the engine's own clocks."""
     from pagedserve.engine.output_processor import OutputKind
 
     engine = llm.llm_engine
     llm.reset_prefix_cache()
     waiting = {f"host-overhead-{i}" for i in range(len(prompts))}
+    start = engine.get_stats()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"host-overhead-{i}", prompt, params, output_kind=OutputKind.DELTA)
     while waiting and engine.has_unfinished_requests():
@@ -80,7 +82,12 @@ def decode_host_overhead(llm: Any, prompts: list[dict], params: Any) -> dict[str
     before = engine.get_stats()
     while engine.has_unfinished_requests():
         engine.step()
-    return common.host_overhead(before, engine.get_stats())
+    return common.host_overhead(start, before), common.host_overhead(before, engine.get_stats())
+
+
+def decode_host_overhead(llm: Any, prompts: list[dict], params: Any) -> dict[str, float] | None:
+    """The host's share of the batch's decode steps, after its prefill (`host_overheads`)."""
+    return host_overheads(llm, prompts, params)[1]
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -107,7 +114,7 @@ def run(ns: argparse.Namespace) -> int:
             before = llm.get_stats()
             times = [_iteration(llm, prompts, params) for _ in tqdm(range(ns.num_iters), desc="iterations")]
             spec = common.spec_decode_delta(before, llm.get_stats())
-            host = decode_host_overhead(llm, prompts, params) if ns.output_len > 1 else None
+            prefill_host, host = host_overheads(llm, prompts, params)
             facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config)
         finally:
             llm.shutdown()
@@ -137,11 +144,13 @@ def run(ns: argparse.Namespace) -> int:
         prefill_mean = sum(prefill) / len(prefill)
         run_entry["roofline"]["prefill"] = step_roofline(
             facts, figures, tokens=b * n_in, context_tokens=b * n_in, measured_s=prefill_mean,
-            attention_pairs=b * n_in * (n_in + 1) // 2).to_dict()
+            attention_pairs=b * n_in * (n_in + 1) // 2,
+            host_share=prefill_host["host_share"] if prefill_host else None).to_dict()
         if decode:
             context = b * (n_in + ns.output_len // 2)  # the mean context over the decode steps
             run_entry["roofline"]["decode"] = step_roofline(
-                facts, figures, tokens=b, context_tokens=context, measured_s=sum(decode) / len(decode)).to_dict()
+                facts, figures, tokens=b, context_tokens=context, measured_s=sum(decode) / len(decode),
+                host_share=host["host_share"] if host else None).to_dict()
     report = rep.make_report("latency", model if ns.random_weights is None else f"random-{ns.random_weights}",
                              {k: v for k, v in vars(ns).items() if k != "bench_func"}, [run_entry],
                              figures.to_dict() if figures else None,

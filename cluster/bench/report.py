@@ -35,7 +35,10 @@ _STEP_ROOFLINE = {
         "weight_bytes": _NONNEG, "kv_bytes": _NONNEG, "flops": _NONNEG, "t_memory": _NONNEG, "t_compute": _NONNEG,
         "ideal_s": {"type": "number", "exclusiveMinimum": 0}, "measured_s": {"type": "number", "exclusiveMinimum": 0},
         "percent_of_ideal": {"type": "number", "exclusiveMinimum": 0},
-        "verdict": {"enum": ["memory-bound", "compute-bound", "host-bound"]},
+        # What the verdict rests on (roofline.verdict); reports written before they were recorded lack them.
+        "bandwidth_use": _NONNEG, "matmul_use": _NONNEG,
+        "host_share": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "verdict": {"enum": ["memory-bound", "compute-bound", "host-bound", "unexplained"]},
     },
 }
 _RUN = {
@@ -229,15 +232,23 @@ def roofline_table(runs: Sequence[dict[str, Any]]) -> str:
     for run in runs:
         for phase, r in (run.get("roofline") or {}).items():
             rows.append([f"{run['name']} / {phase}", r["steps"], r["tokens"], r["context_tokens"], r["measured_s"] * 1e3,
-                         r["ideal_s"] * 1e3, f"{r['percent_of_ideal']:.3g}%", r["verdict"]])
+                         r["ideal_s"] * 1e3, f"{r['percent_of_ideal']:.3g}%", _share(r.get("bandwidth_use")),
+                         _share(r.get("matmul_use")), _share(r.get("host_share")), r["verdict"]])
     if not rows:
         return "(no roofline: the machine figures are not available)"
     text = table(["roofline (one step)", "steps", "tokens", "context", "measured ms", "ideal ms", "of ideal",
-                  "verdict"], rows)
+                  "of bandwidth", "of matmul", "host share", "verdict"], rows)
     if any(r["percent_of_ideal"] > 100 for run in runs for r in (run.get("roofline") or {}).values()):
         text += ("\nAbove 100%: this run beat the probed figures, so they are low (probed under load?): "
                  "probe again on an idle machine with --remeasure.")
+    if any(r["verdict"] == "unexplained" for run in runs for r in (run.get("roofline") or {}).values()):
+        text += ("\nunexplained: the step reached under half of both roofs and no measured host share of half "
+                 "the step accounts for the rest.")
     return text
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def machine_line(machine: dict[str, Any] | None) -> str:

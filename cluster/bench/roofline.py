@@ -18,16 +18,21 @@ of the sequences' contexts; a prefill of n tokens: C = n, A = n (n + 1) / 2):
     t_mem  = bytes / B,   t_comp = flops / F,   ideal = max(t_mem, t_comp)
     kv_bytes_per_token = 2 (K and V) * L * Hkv * d * kv dtype size
 
-`percent_of_ideal = 100 * ideal / measured`. The verdict names the roof that sets `ideal`
-("memory-bound" when t_mem >= t_comp, else "compute-bound"), unless the measured time is more than
-`HOST_BOUND_FACTOR` times the ideal: then the step's time goes somewhere neither roof accounts for
-(Python, scheduling, kernel launches, Ray and HTTP hops) and the verdict is "host-bound".
+`percent_of_ideal = 100 * ideal / measured`. The verdict names a bound only from what was measured:
+
+    bandwidth_use = t_mem / measured      the bytes the step must move, in the measured time, over B
+    matmul_use    = t_comp / measured     the FLOPs it must do, in the measured time, over F
+    host_share    = 1 - model time / step time, from the engine's clocks (where the command measures it)
+
+"memory-bound" or "compute-bound" when the step reached at least `ROOF_FRACTION` of that roof (the
+larger use names it); else "host-bound" when the measured host share is at least `HOST_SHARE_BOUND`;
+else "unexplained": the step is far from both roofs and the host does not account for the gap (or
+its share was not measured), so naming a bound would be a guess.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import time
@@ -35,7 +40,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-HOST_BOUND_FACTOR = 4.0  # measured > 4x ideal (under 25% of the roofline): the host sets the pace
+ROOF_FRACTION = 0.5  # a step that reaches half of a roof (bandwidth or matmul rate) is bound by it
+HOST_SHARE_BOUND = 0.5  # the host holds at least half of the step's time: host-bound
+VERDICTS = ("memory-bound", "compute-bound", "host-bound", "unexplained")
 ROOFLINE_FILE_ENV = "PAGEDSERVE_ROOFLINE_FILE"
 DEFAULT_BANDWIDTH_BYTES = 256 * 1024 * 1024  # per buffer; two buffers
 DEFAULT_MATMUL_SIDE = 1024
@@ -141,22 +148,38 @@ class StepRoofline:
     ideal_s: float
     measured_s: float
     percent_of_ideal: float
+    bandwidth_use: float
+    matmul_use: float
+    host_share: float | None
     verdict: str
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def verdict(bandwidth_use: float, matmul_use: float, host_share: float | None) -> str:
+    """The bound the measurements name (module docstring), or "unexplained"."""
+    if max(bandwidth_use, matmul_use) >= ROOF_FRACTION:
+        return "memory-bound" if bandwidth_use >= matmul_use else "compute-bound"
+    if host_share is not None and host_share >= HOST_SHARE_BOUND:
+        return "host-bound"
+    return "unexplained"
+
+
 def step_roofline(facts: ModelFacts, machine: Machine, tokens: int, context_tokens: int, measured_s: float,
-                  steps: int = 1, attention_pairs: int | None = None) -> StepRoofline:
+                  steps: int = 1, attention_pairs: int | None = None,
+                  host_share: float | None = None) -> StepRoofline:
     """The roofline of one step of `tokens` new tokens reading `context_tokens` cached tokens and scoring
     `attention_pairs` (default: `context_tokens`) query-key pairs (see the module docstring for the
-    formula), against `measured_s`, the measured time of `steps` such steps together."""
+    formula), against `measured_s`, the measured time of `steps` such steps together; `host_share` is
+    the host's measured share of those steps, None where it was not measured."""
     if tokens < 1 or context_tokens < 0 or steps < 1:
         raise ValueError(f"step_roofline: need tokens >= 1, context_tokens >= 0, steps >= 1; got {tokens}, "
                          f"{context_tokens}, {steps}")
     if measured_s <= 0:
         raise ValueError(f"step_roofline: measured_s must be > 0, got {measured_s}")
+    if host_share is not None and not 0.0 <= host_share <= 1.0:
+        raise ValueError(f"step_roofline: host_share must be in [0, 1], got {host_share}")
     weight_bytes = facts.weight_bytes
     kv_bytes = context_tokens * facts.kv_bytes_per_token
     pairs = context_tokens if attention_pairs is None else attention_pairs
@@ -166,31 +189,31 @@ def step_roofline(facts: ModelFacts, machine: Machine, tokens: int, context_toke
     t_compute = flops / machine.flops_for(facts.dtype)
     ideal = max(t_memory, t_compute)
     measured = measured_s / steps
-    if measured > HOST_BOUND_FACTOR * ideal:
-        verdict = "host-bound"
-    else:
-        verdict = "memory-bound" if t_memory >= t_compute else "compute-bound"
+    bandwidth_use, matmul_use = t_memory / measured, t_compute / measured
     return StepRoofline(steps=steps, tokens=tokens, context_tokens=context_tokens, weight_bytes=weight_bytes,
                         kv_bytes=kv_bytes, flops=flops, t_memory=t_memory, t_compute=t_compute, ideal_s=ideal,
-                        measured_s=measured, percent_of_ideal=100.0 * ideal / measured, verdict=verdict)
+                        measured_s=measured, percent_of_ideal=100.0 * ideal / measured,
+                        bandwidth_use=bandwidth_use, matmul_use=matmul_use, host_share=host_share,
+                        verdict=verdict(bandwidth_use, matmul_use, host_share))
 
 
-def run_roofline(facts: ModelFacts, machine: Machine, lengths: list[tuple[int, int]], batch_size: int,
-                 measured_s: float) -> StepRoofline:
-    """A whole offline run of requests given as (prompt_len, output_len), at `batch_size` sequences per
-    step (continuous batching at full batch: S = ceil(output tokens / batch) steps), against its
-    wall time. Per step: T = all tokens / S; C = (prompt tokens + every decode token's context) / S;
-    A = (each prompt's n (n + 1) / 2 + every decode token's context) / S. A decode token at output
-    position j of a prompt of n tokens reads n + j cached tokens; summed over j this is o (n + (o - 1) / 2)."""
+def run_roofline(facts: ModelFacts, machine: Machine, lengths: list[tuple[int, int]], steps: int,
+                 measured_s: float, host_share: float | None = None) -> StepRoofline:
+    """A whole offline run of requests given as (prompt_len, output_len) that took `steps` steps (the
+    engine's own count, or HF's forward passes), against its wall time. Per step: T = all tokens / S;
+    C = (prompt tokens + every decode token's context) / S; A = (each prompt's n (n + 1) / 2 + every
+    decode token's context) / S. A decode token at output position j of a prompt of n tokens reads
+    n + j cached tokens; summed over j this is o (n + (o - 1) / 2)."""
     if not lengths:
         raise ValueError("run_roofline: no requests")
+    if steps < 1:
+        raise ValueError(f"run_roofline: steps must be >= 1, got {steps}")
     total = sum(p + o for p, o in lengths)
     decode_ctx = sum(o * (p + (o - 1) / 2) for p, o in lengths)
-    steps = max(1, math.ceil(sum(o for _, o in lengths) / max(1, batch_size)))
     context = (sum(p for p, _ in lengths) + decode_ctx) / steps
     pairs = (sum(p * (p + 1) / 2 for p, _ in lengths) + decode_ctx) / steps
     return step_roofline(facts, machine, tokens=max(1, round(total / steps)), context_tokens=round(context),
-                         measured_s=measured_s, steps=steps, attention_pairs=round(pairs))
+                         measured_s=measured_s, steps=steps, attention_pairs=round(pairs), host_share=host_share)
 
 
 # --------------------------------------------------------------------------- the probe

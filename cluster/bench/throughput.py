@@ -3,8 +3,10 @@
 The workload is synthetic (`--num-prompts` requests of `--input-len` / `--output-len` tokens, each a
 number or a LOW:HIGH range; `--prefix-len` gives them shared prefixes) or a dataset file (`--dataset`:
 JSONL prompts or a ShareGPT JSON file). Every request produces exactly its output length
-(`ignore_eos`). `--baseline hf` then runs HF transformers `generate` with static batching at its best
-batch size on the same weights, dtype and workload in the same process, and prints the ratio.
+(`ignore_eos`). `--baseline hf` then runs HF transformers `generate` with static batching on the same
+weights, dtype and workload in the same process, at each `--hf-batch-sizes` size (on the whole workload
+when it holds at most `--hf-calibration-prompts` requests, else on that many to pick the size that runs
+it all), and prints the ratio against the fastest.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="hf: also run HF generate (static batching) on the same workload")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64",
-                   help="HF static batch sizes to calibrate over (the best one runs the workload)")
-    p.add_argument("--hf-calibration-prompts", type=int, default=32)
+                   help="HF static batch sizes to sweep; the fastest is the baseline (default 8,16,32,64)")
+    p.add_argument("--hf-calibration-prompts", type=int, default=32,
+                   help="a workload of more requests is swept on its first this many, and the fastest size "
+                        "runs it all (default 32)")
     p.add_argument("--host-overhead-batch-sizes", default="64,256",
                    help="after the run, time decode steps at these batch sizes (32-token prompts, 16 output "
                         "tokens) and print each one's host-overhead share ('none' skips it)")
@@ -171,10 +175,10 @@ def run(ns: argparse.Namespace) -> int:
             ours["host_overhead"] = host
         if spec is not None:
             ours["spec_decode"] = spec
-        if figures is not None:
-            lengths = [(len(r.prompt_token_ids), r.output_len) for r in workload]
-            batch = min(len(workload), max_num_seqs)
-            ours["roofline"]["run"] = run_roofline(facts, figures, lengths, batch, elapsed).to_dict()
+        lengths = [(len(r.prompt_token_ids), r.output_len) for r in workload]
+        if figures is not None and host is not None:  # the engine's own step count and host share
+            ours["roofline"]["run"] = run_roofline(facts, figures, lengths, host["steps"], elapsed,
+                                                   host_share=host["host_share"]).to_dict()
         runs.append(ours)
         summary.update(prefix_cache_hit_rate=stats.prefix_cache_hit_rate if stats.prefix_cache_queries else None,
                        preemptions=stats.num_preemptions, model_dtype=facts.dtype)
@@ -183,18 +187,19 @@ def run(ns: argparse.Namespace) -> int:
         if ns.baseline == "hf":
             torch_dtype = resolve_dtype(ns.dtype, hf_config, "cpu")
             pad = int(getattr(hf_config, "pad_token_id", None) or 0)
-            seconds, best, scores = hf_baseline(model, torch_dtype, workload, candidates, ns.hf_calibration_prompts,
-                                                pad)
+            hf = hf_baseline(model, torch_dtype, workload, candidates, ns.hf_calibration_prompts, pad)
             runs.append({
-                "name": f"HF generate (batch {best})", "params": {"engine": "hf", "batch_size": best},
+                "name": f"HF generate (batch {hf.batch_size})", "params": {"engine": "hf", "batch_size": hf.batch_size},
                 "num_requests": len(workload), "completed": len(workload), "failed": 0,
-                "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "duration_s": seconds,
-                "throughput": rep.throughput(len(workload), prompt_tokens, output_tokens, seconds),
+                "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "duration_s": hf.seconds,
+                "throughput": rep.throughput(len(workload), prompt_tokens, output_tokens, hf.seconds),
                 "latency_ms": {}, "roofline": {},
             })
-            if figures is not None:
-                runs[-1]["roofline"]["run"] = run_roofline(facts, figures, lengths, best, seconds).to_dict()
-            summary["hf_calibration_out_tok_s"] = scores
+            if figures is not None:  # HF's forward passes; its host share is not measured
+                runs[-1]["roofline"]["run"] = run_roofline(facts, figures, lengths, hf.steps, hf.seconds).to_dict()
+            summary["hf_out_tok_s_by_batch_size"] = {str(bs): rate for bs, rate in hf.rates.items()}
+            summary["hf_swept_on"] = ("the whole workload" if hf.swept_whole_workload
+                                      else f"the first {ns.hf_calibration_prompts} requests")
             summary["ratio_output_tokens_per_s"] = (ours["throughput"]["output_tokens_per_s"]
                                                     / runs[-1]["throughput"]["output_tokens_per_s"])
     label = model if ns.random_weights is None else f"random-{ns.random_weights}"
@@ -208,7 +213,10 @@ def run(ns: argparse.Namespace) -> int:
              rep.table(["engine", "requests", "prompt tok", "output tok", "seconds", "req/s", "out tok/s",
                         "total tok/s"], rows)]
     if "ratio_output_tokens_per_s" in summary:
-        parts.append(f"pagedserve / HF output tok/s: {summary['ratio_output_tokens_per_s']:.2f}x")
+        swept = ", ".join(f"batch {bs}: {rate:.1f}" for bs, rate in summary["hf_out_tok_s_by_batch_size"].items())
+        parts.append(f"HF generate output tok/s by batch size, on {summary['hf_swept_on']}: {swept}\n"
+                     f"pagedserve / HF (batch {runs[-1]['params']['batch_size']}, its fastest) output tok/s: "
+                     f"{summary['ratio_output_tokens_per_s']:.2f}x")
     if ns.speculative_config:
         parts.append(common.spec_decode_line(spec, ns.speculative_config))
     parts.append(common.host_overhead_line(host, "pagedserve's engine steps (whole run)"))

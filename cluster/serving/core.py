@@ -23,6 +23,7 @@ from pagedserve.cluster.serving.formatting import sse
 from pagedserve.cluster.serving.requests import SamplingRequest
 from pagedserve.cluster.serving.settings import ServeArgs
 from pagedserve.cluster.serving.streams import EncodedPrompt, RequestTimer, merge_streams, timed
+from pagedserve.engine.models.default_model import describe_model
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.args = args
         self.model_name = args.model_name
+        self.model_description = describe_model(args.model)  # type: ignore[arg-type]
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
         self.metrics = ServingMetrics(self.model_name, coordinator.aggregate_stats, max_model_len)

@@ -126,6 +126,8 @@ class ModelCard(BaseModel):
     owned_by: str = "pagedserve"
     root: str | None = None
     max_model_len: int | None = None
+    # Which default model this is and why it is served (None for a model the operator named).
+    description: str | None = None
 
 
 class ModelList(BaseModel):

@@ -11,7 +11,7 @@ from pagedserve.cluster.serving.responses import ModelCard, ModelList
 
 def list_models(serving: OpenAIServing) -> ModelList:
     return ModelList(data=[ModelCard(id=serving.model_name, root=serving.args.model,
-                                     max_model_len=serving.max_model_len)])
+                                     max_model_len=serving.max_model_len, description=serving.model_description)])
 
 
 def health(serving: OpenAIServing) -> Response:

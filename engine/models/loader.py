@@ -37,7 +37,12 @@ def resolve_dtype(dtype: str, hf_config: Any, device: str | torch.device = "cpu"
 
 
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype:
-    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    """The config's `dtype` (transformers 5 maps a config file's `torch_dtype` onto it); an old config
+    object with only a `torch_dtype` attribute is read from its instance dict, because on transformers 5's
+    PretrainedConfig `torch_dtype` is a deprecated alias of `dtype` that warns when read."""
+    cfg_dtype = getattr(hf_config, "dtype", None)
+    if cfg_dtype is None:
+        cfg_dtype = getattr(hf_config, "__dict__", {}).get("torch_dtype")
     if isinstance(cfg_dtype, torch.dtype):
         return cfg_dtype
     if isinstance(cfg_dtype, str):

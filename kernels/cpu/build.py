@@ -1,9 +1,12 @@
 """Build and load the C++ CPU ops (torch.ops.pagedserve.*) once per process.
 
-The library is compiled with -march=native, so the build directory is keyed by the source, the torch
-version, the compiler flags and this CPU's model and feature flags: a home directory shared by machines
-of different CPUs never loads a library built for another. torch.utils.cpp_extension serialises
-concurrent builds of one directory (several Ray workers starting together) with a lock file.
+The library is compiled with -march=native against one torch installation's headers and libraries, so
+the build directory is keyed (`build_key()`) by the sources, the torch version and install path, the
+Python ABI, the compiler and its flags, and this CPU's model and feature flags: a home directory shared
+by machines of different CPUs never loads a library built for another, and two environments on one
+machine (two venvs, each with its torch) keep one build each instead of rebuilding in turn.
+torch.utils.cpp_extension serialises concurrent builds of one directory (several Ray workers starting
+together) with a lock file.
 
     python -m pagedserve.kernels.cpu     # build ahead of time (make install does), print where and how long
 
@@ -16,6 +19,9 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -43,12 +49,26 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
+def build_key() -> dict[str, str]:
+    """What the compiled library depends on besides its sources (each a part of the directory's name)."""
+    compiler = os.environ.get("CXX", "c++")
+    return {
+        "torch_version": torch.__version__,
+        "torch_path": str(Path(torch.__file__).resolve().parent),
+        "python_abi": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')}",
+        "compiler": f"{compiler} ({shutil.which(compiler) or 'not found'})",
+        "cflags": " ".join(CFLAGS),
+        "ldflags": " ".join(LDFLAGS),
+        "cpu": _cpu_signature(),
+    }
+
+
 def build_directory() -> Path:
     digest = hashlib.sha256()
     for src in SOURCES:
         digest.update(src.read_bytes())
-    for part in (torch.__version__, " ".join(CFLAGS), " ".join(LDFLAGS), _cpu_signature()):
-        digest.update(part.encode())
+    for name, value in sorted(build_key().items()):
+        digest.update(f"\0{name}={value}".encode())
     root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
     return root / "cpu_ops" / digest.hexdigest()[:16]
 

@@ -29,6 +29,33 @@ def test_cpu_ops_build_on_this_machine():
     assert cpu_ops_available()
 
 
+def test_build_directory_is_keyed_by_the_torch_installation_and_the_compiler(monkeypatch, tmp_path):
+    """Issue 34: two venvs on one machine share ~/.cache/pagedserve; with the same torch version but each its
+    own torch install, each keeps its own build instead of the two rebuilding in turn."""
+    from pathlib import Path
+
+    from pagedserve.kernels.cpu import build
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    here = build.build_directory()
+    assert here.parent == tmp_path / "cpu_ops" and build.build_directory() == here
+    assert build.build_key()["torch_path"] == str(Path(torch.__file__).resolve().parent)
+    other_venv = tmp_path / "other-venv" / "lib" / "python3.11" / "site-packages" / "torch" / "__init__.py"
+    changes = [(torch, "__file__", str(other_venv)), (torch, "__version__", "0.0.0+other"),
+               (build, "CFLAGS", build.CFLAGS + ["-DPAGEDSERVE_OTHER"]), (build, "LDFLAGS", ["-lm"])]
+    seen = {here}
+    for target, name, value in changes:
+        with monkeypatch.context() as mp:
+            mp.setattr(target, name, value)
+            seen.add(build.build_directory())
+    with monkeypatch.context() as mp:
+        mp.setenv("CXX", "clang++")
+        seen.add(build.build_directory())
+    assert len(seen) == 1 + len(changes) + 1
+    assert build.build_directory() == here  # and back: nothing else feeds the key
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size",
