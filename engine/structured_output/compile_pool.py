@@ -87,8 +87,9 @@ class _Worker:
         """The worker's next frame, or None if it sends none within `timeout_s`."""
         assert self.process is not None and self.process.stdout is not None
         fd = self.process.stdout.fileno()
-        readable, _, _ = select.select([fd], [], [], max(0.0, timeout_s))
-        if not readable:
+        poller = select.poll()  # not select.select: an engine process may hold fds past FD_SETSIZE
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        if not poller.poll(max(0, int(timeout_s * 1000))):
             return None
         try:
             return read_frame(fd)

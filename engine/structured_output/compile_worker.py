@@ -46,7 +46,9 @@ def read_frame(fd: int) -> Any:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the engine process dies, even in the middle of a compile."""
+    """Linux: SIGKILL this process when the engine process dies, even in the middle of a compile. (The
+    signal follows the thread that started the worker: the manager's compile threads, which live as
+    long as the manager; a worker found dead is simply started again.)"""
     try:
         import ctypes
         import signal
