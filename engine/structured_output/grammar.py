@@ -93,8 +93,9 @@ def check_spec(params: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_
     try:
         if kind == "json":
             options = json_options(params)
+            raw = params.json
+            check_schema_shape(json.loads(raw) if isinstance(raw, str) else raw, limits)  # before any recursion
             schema = schema_of(params)
-            check_schema_shape(json.loads(schema), limits)
             grammar = xgr.Grammar.from_json_schema(
                 schema, any_whitespace=options.any_whitespace, max_whitespace_cnt=options.max_whitespace_cnt,
             )
