@@ -82,7 +82,11 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
     serve_parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     serve_parser.add_argument("--address", help="Ray cluster address to join (default: RAY_ADDRESS, else local)")
     serve_parser.add_argument("--data-parallel-size", "-dp", type=int)
-    serve_parser.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
+    serve_parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` (visible in `ps`: prefer "
+                                                 f"--api-key-file or ${API_KEY_ENV})")
+    serve_parser.add_argument("--api-key-file", metavar="PATH",
+                              help=f"read the API key from PATH (stripped); used when --api-key is not given, "
+                                   f"before ${API_KEY_ENV}")
     serve_parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
     serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
     serve_parser.add_argument("--num-cpus-per-engine", type=float)
@@ -110,6 +114,9 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
     pd.add_argument("--kv-connector-extra-config", type=json.loads, metavar="JSON",
                     help='e.g. \'{"hold_timeout_s": 120, "read_timeout_s": 60}\'')
     serve_parser.add_argument("--max-n", type=int, help="largest n / best_of a request may ask for (default 16)")
+    serve_parser.add_argument("--max-prompts-per-request", type=int,
+                              help="prompts one /v1/completions request may carry (default 128; prompts x n "
+                                   "count against --max-pending-requests)")
     serve_parser.add_argument("--max-request-body-bytes", type=int,
                               help="larger request bodies get a 413; also the longest rendered chat prompt, in "
                                    "characters (default 16 MiB)")

@@ -62,7 +62,7 @@ class PagedServeIngress:
         self.serving = OpenAIServing(self.client, tokenizer, self.args, self.engine_info["max_model_len"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = build_fastapi_app(self.serving)
+        app = build_fastapi_app(self.serving, behind_serve_proxy=True)
         replica = serve.get_replica_context().replica_id.unique_id
 
         @app.middleware("http")
@@ -180,11 +180,16 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 def start_server(args: ServeArgs) -> Any:
     """Start/join Ray, start Serve's HTTP proxy on args.host:args.port, deploy the app and wait until it
-    is ready. Returns the ingress deployment handle (`.get_engine_info.remote().result()`)."""
+    is ready (warning first when that address is reachable from other machines and no API key is set).
+    Returns the ingress deployment handle (`.get_engine_info.remote().result()`)."""
     import os
 
     from pagedserve.cluster.ray_utils import ensure_ray
+    from pagedserve.cluster.serving.settings import exposure_warning
 
+    warning = exposure_warning(args)
+    if warning is not None:
+        logger.warning(warning)
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
     ensure_ray()

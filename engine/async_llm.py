@@ -24,7 +24,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import RequestOutput, SchedulerStats
 from pagedserve.engine.processor import PromptType
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +106,21 @@ class AsyncLLM:
                 f"the engine has {self._num_active} unfinished requests (limit {self.max_pending_requests})"
             )
         loop = asyncio.get_running_loop()
+        self._num_active += 1
+        # Tokenized here, in a thread: never on the engine thread, between two steps of every request.
+        bad_words_ids = None
+        if isinstance(sampling_params, SamplingParams) and sampling_params.bad_words:
+            try:
+                bad_words_ids = await asyncio.to_thread(bad_words_token_ids, sampling_params.bad_words,
+                                                        self.tokenizer)
+            except BaseException:
+                self._num_active -= 1
+                raise
         stream = _Stream(loop, asyncio.Queue())
         kind = output_kind if output_kind is not None else OutputKind.DELTA if stream_delta else OutputKind.CUMULATIVE
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, sampling_params, priority, kind, stream), added))
-        self._num_active += 1
+        self._commands.put(("add", (request_id, prompt, sampling_params, priority, kind, stream, bad_words_ids),
+                            added))
         finished = False
         try:
             await asyncio.wrap_future(added)  # raises the processor's ValueError, if any
@@ -205,9 +215,10 @@ class AsyncLLM:
         if kind == "stop":
             return False
         if kind == "add":
-            request_id, prompt, params, priority, output_kind, stream = payload
+            request_id, prompt, params, priority, output_kind, stream, bad_words_ids = payload
             try:
-                self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=output_kind)
+                self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=output_kind,
+                                        bad_words_ids=bad_words_ids)
             except BaseException as exc:  # bad input: only this request fails
                 future.set_exception(exc)
             else:

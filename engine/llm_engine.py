@@ -35,12 +35,14 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        bad_words_ids: list[list[int]] | None = None,
     ) -> None:
-        """Validate and queue a request; raises ValueError (naming the field) on bad input."""
+        """Validate and queue a request; raises ValueError (naming the field) on bad input.
+        `bad_words_ids`: `params.bad_words` already tokenized (else they are tokenized here)."""
         if request_id in self._children or request_id in self.output_processor.states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = time.time() if arrival_time is None else arrival_time
-        text, request = self.processor.process(request_id, prompt, params, priority, arrival_time)
+        text, request = self.processor.process(request_id, prompt, params, priority, arrival_time, bad_words_ids)
         if params.n == 1:
             self.output_processor.add_request(
                 request_id, text, request.prompt_token_ids, params, arrival_time, output_kind,
@@ -56,7 +58,8 @@ class LLMEngine:
                 child_params.seed = derive_seed(params.seed, index)  # distinct but reproducible samples
             child_id = f"{request_id}#{index}"
             child_prompt = {"prompt_token_ids": request.prompt_token_ids, "cache_salt": request.cache_salt}
-            _, child = self.processor.process(child_id, child_prompt, child_params, priority, arrival_time)
+            _, child = self.processor.process(child_id, child_prompt, child_params, priority, arrival_time,
+                                              request.bad_words_token_ids)
             self.output_processor.add_request(
                 child_id, text, request.prompt_token_ids, child_params, arrival_time, output_kind, parent, index
             )

@@ -22,7 +22,12 @@ from typing import Any, Union
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.request import Request
 from pagedserve.kv_transfer.scheduler_connector import continuation_token_ids
-from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids, check_token_ids
+from pagedserve.engine.sampling_params import (
+    MAX_BAD_WORDS_TOKENS,
+    SamplingParams,
+    bad_words_token_ids,
+    check_token_ids,
+)
 
 # A prompt: text, or a dict with "prompt_token_ids" (or "prompt"), and optionally "cache_salt".
 PromptType = Union[str, Mapping[str, Any]]
@@ -151,7 +156,10 @@ class Processor:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        bad_words_ids: list[list[int]] | None = None,
     ) -> tuple[str | None, Request]:
+        """`bad_words_ids`: `params.bad_words` already tokenized (`bad_words_token_ids`), e.g. off the
+        engine thread by `AsyncLLM`; else they are tokenized here."""
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: expected a SamplingParams")
         if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
@@ -163,9 +171,12 @@ class Processor:
         self.validate_prompt_ids(ids)
         self.validate_params(params)
         max_tokens = self.resolve_max_tokens(params, len(ids))
-        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
+        if bad_words_ids is None:
+            bad_words_ids = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
+        elif sum(len(word) for word in bad_words_ids) > MAX_BAD_WORDS_TOKENS:
+            raise ValueError(f"bad_words: they encode to more than {MAX_BAD_WORDS_TOKENS} tokens in all")
         # The tokenizer may know more tokens than the model's vocabulary (added tokens).
-        check_token_ids("bad_words", [t for word in bad_words for t in word], self.vocab_size)
+        check_token_ids("bad_words", [t for word in bad_words_ids for t in word], self.vocab_size)
         request = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -175,7 +186,7 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt,
-            bad_words_token_ids=bad_words,
+            bad_words_token_ids=bad_words_ids,
         )
         for token_id in self._continuation(params, max_tokens):
             request.append_output_token(token_id)

@@ -37,6 +37,9 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 # Entries in logit_bias, stop_token_ids, bad_words and allowed_token_ids: bounds per-step work.
 MAX_TOKEN_LIST = 1024
+# bad_words in all: characters (each is tokenized twice) and tokens of the sequences they encode to.
+MAX_BAD_WORDS_CHARS = 64 * 1024
+MAX_BAD_WORDS_TOKENS = 4096
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -122,6 +125,14 @@ class SamplingParams(BaseModel):
     def _none_to_list(cls, v: Any) -> Any:
         return [] if v is None else v
 
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, v: list[str]) -> list[str]:
+        total = sum(len(word) for word in v)
+        if total > MAX_BAD_WORDS_CHARS:
+            raise ValueError(f"bad_words must have at most {MAX_BAD_WORDS_CHARS} characters in all, got {total}")
+        return v
+
     @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
     def _check_token_ids(cls, v: list[int] | None, info: Any) -> list[int] | None:
@@ -188,12 +199,20 @@ def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
 
 def bad_words_token_ids(bad_words: list[str], tokenizer: _Encoder) -> list[list[int]]:
     """Token sequences to ban for each bad word: as encoded at the start of a text and
-    after a space (byte-level and sentencepiece tokenizers encode the two differently)."""
+    after a space (byte-level and sentencepiece tokenizers encode the two differently).
+    ValueError naming bad_words when they come to more than MAX_BAD_WORDS_TOKENS tokens."""
     sequences: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    total = 0
     for word in bad_words:
         stripped = word.lstrip()
         for text in (stripped, " " + stripped):
             ids = list(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in sequences:
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
                 sequences.append(ids)
+                total += len(ids)
+                if total > MAX_BAD_WORDS_TOKENS:
+                    raise ValueError(f"bad_words: they encode to more than {MAX_BAD_WORDS_TOKENS} tokens in all "
+                                     "(each word counts as it starts a text and as it follows a space)")
     return sequences

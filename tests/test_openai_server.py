@@ -258,6 +258,28 @@ def test_unknown_model_auth_and_unknown_fields(server, http):
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
 
 
+def test_request_id_comes_back_exactly_once_through_serve(http):
+    """Serve's proxy sets X-Request-Id on every response; the app adds none of its own behind it."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                  headers={"X-Request-Id": "abc-123"})
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["abc-123"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 99}, headers={"X-Request-Id": "abc-124"})
+    assert r.headers.get_list("x-request-id") == ["abc-124"] and r.json()["error"]["request_id"] == "abc-124"
+    generated = http.get("/health").headers.get_list("x-request-id")
+    assert len(generated) == 1 and generated[0]
+    r = http.get("/v1/models", headers={"X-Request-Id": "z" * 129})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+    assert len(r.headers.get_list("x-request-id")) == 1
+
+
+def test_resource_caps_are_400s_through_serve(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [[5, 6]] * 100_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "bad_words": ["x" * 1024] * 1024})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+    assert http.get("/health").status_code == 200
+
+
 def test_metrics_after_requests(client, http):
     client.completions.create(model=MODEL, prompt="def fibonacci", max_tokens=4, temperature=0)
     client.completions.create(model=MODEL, prompt="def fibonacci", max_tokens=4, temperature=0)

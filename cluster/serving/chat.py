@@ -27,6 +27,7 @@ from pagedserve.engine.outputs import RequestOutput
 async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest) -> Response:
     serving.check_model(request.model)
     serving.check_limits(request)
+    serving.check_prompt_count(1, request.n)
     try:
         conversation = request.conversation()
     except ValueError as exc:

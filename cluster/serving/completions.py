@@ -19,7 +19,9 @@ from pagedserve.engine.outputs import RequestOutput
 async def create_completion(serving: OpenAIServing, request: CompletionRequest) -> Response:
     serving.check_model(request.model)
     serving.check_limits(request)
-    prompts = [await serving.encode_completion_prompt(i, p, request) for i, p in enumerate(request.prompts())]
+    raw_prompts = request.prompts()
+    serving.check_prompt_count(len(raw_prompts), request.n)  # before any prompt is tokenized
+    prompts = [await serving.encode_completion_prompt(i, p, request) for i, p in enumerate(raw_prompts)]
     default_applies = "max_tokens" not in request.model_fields_set
     params = []
     for p in prompts:

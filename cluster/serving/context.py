@@ -27,8 +27,10 @@ def reset_request_id(token) -> None:
     _request_id.reset(token)
 
 
-def request_id_from_header(value: str | None) -> str:
-    """The client's X-Request-Id if it is short and printable, else a new one."""
-    if value is not None and _VALID_ID.fullmatch(value):
-        return value
+def is_valid_request_id(value: str) -> bool:
+    """1 to MAX_REQUEST_ID_CHARS printable ASCII characters, no spaces (what a client may send)."""
+    return _VALID_ID.fullmatch(value) is not None
+
+
+def new_request_id() -> str:
     return uuid.uuid4().hex

@@ -82,6 +82,19 @@ class OpenAIServing:
                 param=param, code="context_length_exceeded",
             )
 
+    def check_prompt_count(self, num_prompts: int, n: int) -> None:
+        """The server's limit on prompts per request, and on the engine requests one HTTP request makes
+        (prompts x n: more than `max_pending_requests` could never be admitted). Before any tokenization."""
+        limit = self.args.max_prompts_per_request
+        if num_prompts > limit:
+            raise APIError(400, f"prompt: at most {limit} prompts per request are allowed, got {num_prompts}",
+                           param="prompt")
+        slots = num_prompts * n
+        if slots > self.args.max_pending_requests:
+            param = "prompt" if num_prompts > 1 else "n"
+            raise APIError(400, f"{param}: {num_prompts} prompt(s) x n={n} make {slots} completions, more than the "
+                                f"server queues at once ({self.args.max_pending_requests})", param=param)
+
     def check_limits(self, request: SamplingRequest) -> None:
         """The server's limits on n / best_of / logprobs, and logit_bias keys inside the vocabulary."""
         max_n = self.args.max_n
@@ -177,15 +190,16 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- admission and answering
 
-    def admit(self) -> None:
-        if self.num_in_flight >= self.args.max_pending_requests:
-            raise APIError(503, f"the server has {self.num_in_flight} requests in flight "
-                                f"(limit {self.args.max_pending_requests}); retry later",
+    def admit(self, slots: int = 1) -> None:
+        """Take `slots` of the `max_pending_requests` in flight (one per completion: prompts x n), or 503."""
+        if self.num_in_flight + slots > self.args.max_pending_requests:
+            raise APIError(503, f"the server has {self.num_in_flight} completions in flight and this request "
+                                f"adds {slots} (limit {self.args.max_pending_requests}); retry later",
                            type="service_unavailable_error", code="overloaded", headers={"Retry-After": "1"})
-        self.num_in_flight += 1
+        self.num_in_flight += slots
 
-    def release(self) -> None:
-        self.num_in_flight -= 1
+    def release(self, slots: int = 1) -> None:
+        self.num_in_flight -= slots
 
     def _streams(self, request_id: str, prompts: list[EncodedPrompt], params: list[dict], priority: int,
                  timers: list[RequestTimer], final_only: bool,
@@ -197,14 +211,14 @@ class OpenAIServing:
         ]
         return merge_streams(streams)
 
-    async def _admitted(self, stream: AsyncIterator) -> AsyncIterator:
-        """Holds one admission slot until the stream is exhausted, fails or is closed (also by garbage
+    async def _admitted(self, stream: AsyncIterator, slots: int) -> AsyncIterator:
+        """Holds `slots` admission slots until the stream is exhausted, fails or is closed (also by garbage
         collection of a started generator, e.g. when a client leaves before its SSE body starts)."""
         try:
             async for item in stream:
                 yield item
         finally:
-            self.release()
+            self.release(slots)
             await stream.aclose()  # type: ignore[attr-defined]
 
     async def run(self, request: SamplingRequest, request_id: str, prompts: list[EncodedPrompt],
@@ -212,13 +226,14 @@ class OpenAIServing:
         """Admit, start the streams, and answer as SSE (after the first output, so early errors keep
         their status code) or as one JSON body. A JSON body is built from the finished outputs alone, so
         its engines are asked for only those (`final_only`: no per-step detokenization or transport)."""
-        self.admit()
+        slots = len(prompts) * request.n
+        self.admit(slots)
         logger.info("request %s: %s%s", current_request_id(), request_id,
                     f" (user {request.user!r})" if request.user else "")
         final_only = not request.stream
         timers = [RequestTimer(self.metrics, len(p.token_ids), final_only=final_only) for p in prompts]
         outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers, final_only,
-                                               request.cache_salt))
+                                               request.cache_salt), slots)
         try:
             try:
                 first = await outputs.__anext__()

@@ -21,7 +21,8 @@ from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):")
+# "field: ..." or "field.sub.path: ...": the top-level request field is the error's param.
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z0-9_.]+)?:")
 
 
 class APIError(Exception):

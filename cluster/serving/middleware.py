@@ -1,6 +1,10 @@
 """The ASGI layer around the app: request ids, the API key, the body size limit, and the last line of
 defence that turns any unexpected exception into an OpenAI error body (500), counting every error
-response in `/metrics` by status."""
+response in `/metrics` by status.
+
+X-Request-Id: the client's, if it sends one (a malformed one is a 400), else a new one. Behind Ray
+Serve's proxy the proxy already puts one on every request and copies it onto the response, so the
+app does not add its own (`set_request_id_header=False`): the header comes back exactly once."""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ from typing import Any
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.cluster.serving.context import (
+    MAX_REQUEST_ID_CHARS,
     REQUEST_ID_HEADER,
-    current_request_id,
-    request_id_from_header,
+    is_valid_request_id,
+    new_request_id,
     reset_request_id,
     set_request_id,
 )
@@ -32,36 +37,45 @@ class BodyTooLarge(StarletteHTTPException):
 
 
 class ServingMiddleware:
-    """Request id (the client's valid `X-Request-Id`, else a new one) on every response and in the
-    context of everything the request runs; API key check except on open paths; 413 for a body over
-    `max_body_bytes` (by Content-Length, or counted while streaming in); 500 for anything unexpected."""
+    """Request id (the client's `X-Request-Id`, else a new one) in the context of everything the request
+    runs and, unless a proxy in front sets it (`set_request_id_header`), on every response; 400 for a
+    malformed one; API key check except on open paths; 413 for a body over `max_body_bytes` (by
+    Content-Length, or counted while streaming in); 500 for anything unexpected."""
 
-    def __init__(self, app: Callable, serving: Any, open_paths: frozenset[str]) -> None:
+    def __init__(self, app: Callable, serving: Any, open_paths: frozenset[str],
+                 set_request_id_header: bool = True) -> None:
         self.app = app
         self.serving = serving
         self.open_paths = open_paths
+        self.set_request_id_header = set_request_id_header
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        token = set_request_id(request_id_from_header(headers.get(REQUEST_ID_HEADER.lower())))
+        sent_id = headers.get(REQUEST_ID_HEADER.lower())
+        malformed = sent_id is not None and not is_valid_request_id(sent_id)
+        if not malformed and sent_id is not None:
+            request_id: str | None = sent_id
+        else:  # behind a proxy that echoes a malformed id, none of ours would match it: name none
+            request_id = None if malformed and not self.set_request_id_header else new_request_id()
+        token = set_request_id(request_id)
         started = False
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"],
-                                      (REQUEST_ID_HEADER.lower().encode(), current_request_id().encode())]
+                if self.set_request_id_header:
+                    message["headers"] = [*message.get("headers", []),
+                                          (REQUEST_ID_HEADER.lower().encode(), str(request_id).encode())]
                 if message["status"] >= 400:
                     self.serving.metrics.observe_error(message["status"])
             await send(message)
 
         try:
-            error = self._refuse_early(scope, headers)
+            error = _malformed_id_error(sent_id) if malformed else self._refuse_early(scope, headers)
             if error is not None:
                 await error.response()(scope, receive, send_with_id)
                 return
@@ -101,3 +115,8 @@ class ServingMiddleware:
             return message
 
         return receive_limited
+
+
+def _malformed_id_error(value: str) -> APIError:
+    return APIError(400, f"{REQUEST_ID_HEADER}: must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                         f"without spaces (got {len(value)} characters)", param=REQUEST_ID_HEADER)

@@ -10,7 +10,8 @@ the field, which the server turns into a 400.
 Structured output comes from `response_format` (`json_object`, or `json_schema` with its `schema`)
 or vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` / `structured_outputs`:
 at most one per request, turned into the engine's `StructuredOutputsParams`; a spec that does not
-parse is a 400 naming the request field it came from.
+parse, or is over the grammar size limits (`engine/structured_output/limits.py`), is a 400 naming
+the request field it came from (`response_format.json_schema`, `guided_regex`, ...).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.validation import (
     INT64_MAX,
     INT64_MIN,
+    MAX_PROMPTS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKEN_LIST,
@@ -38,7 +40,7 @@ from pagedserve.cluster.serving.validation import (
     unsupported_field,
 )
 from pagedserve.engine.processor import CACHE_SALT_MAX_CHARS
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import MAX_BAD_WORDS_CHARS, SamplingParams
 from pagedserve.engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -143,6 +145,16 @@ class SamplingRequest(OpenAIRequest):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
         return v
 
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _bound_bad_words(cls, v: Any) -> Any:
+        """At most MAX_BAD_WORDS_CHARS characters in all, counted before the words are validated."""
+        if isinstance(v, list):
+            total = sum(len(w) for w in v if isinstance(w, str))
+            if total > MAX_BAD_WORDS_CHARS:
+                raise ValueError(f"at most {MAX_BAD_WORDS_CHARS} characters of bad words in all, got {total}")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -174,8 +186,8 @@ class SamplingRequest(OpenAIRequest):
             kind = fmt.get("type", "text")
             if kind == "json_object":
                 found.append(("response_format", {"json_object": True}))
-            elif kind == "json_schema":
-                found.append(("response_format", {"json": _json_schema_of(fmt.get("json_schema"))}))
+            elif kind == "json_schema":  # named in errors as the sub-field that holds the schema
+                found.append(("response_format.json_schema", {"json": _json_schema_of(fmt.get("json_schema"))}))
             elif kind != "text":
                 raise ValueError(f"response_format: type {str(kind)[:64]!r} is not supported "
                                  "(use 'text', 'json_object' or 'json_schema')")
@@ -298,6 +310,16 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bound_prompts(cls, data: Any) -> Any:
+        """At most MAX_PROMPTS prompts, counted before anything looks at each one."""
+        if isinstance(data, dict):
+            prompts = data.get("prompt")
+            if isinstance(prompts, list) and len(prompts) > MAX_PROMPTS and not _is_ids(prompts[:1]):
+                raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        return data
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -1,24 +1,32 @@
 """`ServeArgs`: the one validated configuration behind `pagedserve serve` and the Serve app builder.
 
 Request limits live here too: `max_n` (n and best_of), `max_logprobs` (logprobs, top_logprobs,
-prompt_logprobs; an engine field, vLLM's default 20), `max_request_body_bytes` (also the longest
-rendered chat prompt, in characters), `tokenizer_pool_size` (threads that tokenize and render chat
-templates off the event loop), `trust_request_chat_template` and `metrics_require_auth`.
+prompt_logprobs; an engine field, vLLM's default 20), `max_prompts_per_request` (the prompts of one
+completions body), `max_request_body_bytes` (also the longest rendered chat prompt, in characters),
+`tokenizer_pool_size` (threads that tokenize and render chat templates off the event loop),
+`trust_request_chat_template` and `metrics_require_auth`.
+
+The API key: `api_key` (the --api-key flag, visible in `ps`), else the stripped contents of
+`api_key_file`, else $PAGEDSERVE_API_KEY. Replicas get its SHA-256 only (`to_dict`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from pagedserve.cluster.serving.validation import MAX_PROMPTS
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.models.default_model import DEFAULT_MODEL_NAME, is_default_model, resolve_default_model
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+# Prompts in one /v1/completions body (each becomes n engine requests); MAX_PROMPTS bounds the setting.
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
 
 
 def _api_key_from_env() -> str | None:
@@ -34,12 +42,14 @@ class ServeArgs(EngineConfig):
     address: str | None = None
     data_parallel_size: int = Field(default=1, ge=1)
     api_key: str | None = Field(default_factory=_api_key_from_env, repr=False)
+    api_key_file: str | None = None  # read (and stripped) at start when no api_key is given
     # What the replicas get instead of the key itself (Serve shows deployment args in its status).
     api_key_sha256: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-f]{64}$")
     max_pending_requests: int = Field(default=1024, ge=1)
     num_cpus_per_engine: float = Field(default=1.0, ge=0.0)
     app_name: str = "pagedserve"
     max_n: int = Field(default=16, ge=1, le=1024)
+    max_prompts_per_request: int = Field(default=DEFAULT_MAX_PROMPTS_PER_REQUEST, ge=1, le=MAX_PROMPTS)
     max_request_body_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1024)
     tokenizer_pool_size: int = Field(default=2, ge=1, le=64)
     trust_request_chat_template: bool = False
@@ -68,6 +78,14 @@ class ServeArgs(EngineConfig):
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)  # hold_timeout_s, read_timeout_s, ...
     prefill_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources pinning a pool
     decode_resources: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_api_key_file(cls, data: Any) -> Any:
+        """--api-key wins over --api-key-file, which wins over $PAGEDSERVE_API_KEY."""
+        if isinstance(data, dict) and data.get("api_key_file") is not None and data.get("api_key") is None:
+            data = {**data, "api_key": read_api_key_file(str(data["api_key_file"]))}
+        return data
 
     @model_validator(mode="after")
     def _check_replicas(self) -> "ServeArgs":
@@ -144,8 +162,40 @@ class ServeArgs(EngineConfig):
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for `build_app(args)` (what a Serve config's `args:` would hold). The API key
-        (resolved from the environment here, not in the replica's) travels as its SHA-256 only."""
-        values = self.model_dump(exclude={"hf_config", "api_key"}, exclude_unset=True) | {"model": self.model}
+        (resolved from the flag, file or environment here, not in the replica's) travels as its SHA-256 only."""
+        values = self.model_dump(exclude={"hf_config", "api_key", "api_key_file"}, exclude_unset=True)
+        values["model"] = self.model
         if self.api_key_digest is not None:
             values["api_key_sha256"] = self.api_key_digest
         return values
+
+
+def read_api_key_file(path: str) -> str:
+    """The key in `path`, stripped; ValueError naming api_key_file when it cannot be read or is empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"api_key_file: cannot read {path!r}: {exc}") from None
+    if not key:
+        raise ValueError(f"api_key_file: {path!r} is empty")
+    return key
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding `host` listens on this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def exposure_warning(args: ServeArgs) -> str | None:
+    """The warning to log at start when the server listens beyond this machine with no API key."""
+    if args.api_key_digest is not None or is_loopback_host(args.host):
+        return None
+    return (f"serving on {args.host}:{args.port} with no API key: anyone who can reach this address can run "
+            f"requests on the model (its compute, its KV cache) and read /metrics; set --api-key-file PATH or "
+            f"${API_KEY_ENV}, or bind 127.0.0.1")

@@ -4,7 +4,7 @@ Each processor runs once over all of its rows (in the order the sampler's docstr
 allowed_token_ids, logit_bias, min_tokens, bad_words, repetition penalty, frequency/presence
 penalties), which is the same as running them row by row since no processor reads another row.
 Only bad_words does Python work per row, and only for rows that have bad words (a word's last
-token is banned when its earlier tokens end the output so far).
+token is banned when its earlier tokens end the output so far: a walk of the request's trie).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _bad_word_bans(view: BatchView, errors: dict[int, str], vocab: int) -> tuple
             continue
         state = view.states[r]
         try:
-            banned = banned_bad_word_tokens(state.bad_words_token_ids, state.output_token_ids)
+            banned = state.bad_words_trie.banned(state.output_token_ids)
             check_ids(banned, vocab, "bad_words")
         except Exception as exc:
             errors[r] = describe_failure(exc)
@@ -70,16 +70,6 @@ def _bad_word_bans(view: BatchView, errors: dict[int, str], vocab: int) -> tuple
         rows.extend([r] * len(banned))
         ids.extend(banned)
     return rows, ids
-
-
-def banned_bad_word_tokens(bad_words: list[list[int]], output: list[int]) -> list[int]:
-    """Last token of every bad word whose earlier tokens end the output so far."""
-    banned = []
-    for word in bad_words:
-        prefix = word[:-1]
-        if not prefix or (len(output) >= len(prefix) and output[-len(prefix) :] == prefix):
-            banned.append(word[-1])
-    return banned
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch, view: BatchView) -> None:

@@ -12,7 +12,8 @@ Every step is batched: the sampler keeps each request's parameters, logit_bias, 
 counts as persistent tensors (`sampling_batch.SamplingBatch`, built when the request is first seen,
 counts updated by the new output tokens only) and applies each processor once over all of its rows
 (`processors.py`). Per-row Python work is done only for rows whose parameters need it: bad_words
-(they depend on the output's suffix) and a seeded row's own draw. A batch of greedy rows with no
+(they depend on the output's suffix: a walk of the request's bad-words trie, `bad_words.py`) and
+a seeded row's own draw. A batch of greedy rows with no
 processor and no logprobs is one argmax.
 
 The exponential race (argmax of probs / Exp(1) noise) draws a request's noise from its own
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedserve.engine.sample.bad_words import BadWordsTrie
 from pagedserve.engine.sample.logprobs import Logprob, compute_prompt_logprobs, gather_logprobs
 from pagedserve.engine.sample.processors import apply_processors
 from pagedserve.engine.sample.sampling_batch import (
@@ -90,6 +92,14 @@ class SamplingState:
     # Draws a seeded request's generator skips when it is made: one per output token sampled elsewhere
     # (a prefill/decode continuation), so it goes on exactly where the producer's generator stopped.
     pending_draws: int = 0
+    # The bad words as a trie (built on first use; bad_words_token_ids are fixed by then).
+    _bad_words_trie: BadWordsTrie | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def bad_words_trie(self) -> BadWordsTrie:
+        if self._bad_words_trie is None:
+            self._bad_words_trie = BadWordsTrie(self.bad_words_token_ids)
+        return self._bad_words_trie
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """The request's own generator on `device` (made there on first use); None if unseeded."""

@@ -3,7 +3,8 @@
 Exactly one of `json` (a JSON schema, as a dict or a JSON string), `json_object` (any JSON
 object), `regex`, `choice` (one of a list of strings) or `grammar` (EBNF) is set. This module
 checks only the shape and is light to import (no xgrammar): whether a schema, regex or grammar
-actually parses is checked by `grammar.build_grammar` when the processor validates a request.
+actually parses, and is within the size limits (`limits.py`), is checked by `grammar.check_spec`
+when the processor validates a request.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class StructuredOutputsParams(BaseModel):
     grammar: str | None = Field(default=None, min_length=1, max_length=MAX_SPEC_CHARS)
     # JSON only: every object schema gets additionalProperties: false (no keys beyond `properties`).
     disable_additional_properties: bool = False
-    # JSON only: whitespace allowed between tokens. None: any; "": none (compact JSON);
-    # "[...]*" any run of the listed characters; "[...]{0,N}" at most N of them.
+    # JSON only: whitespace allowed between tokens. None: at most 16 characters of [ \n\r\t] in a row
+    # (grammar.DEFAULT_MAX_WHITESPACE); "": none (compact JSON); "[...]*" any run of the listed
+    # characters (a model may then emit whitespace until max_tokens); "[...]{0,N}" at most N of them.
     whitespace_pattern: str | None = None
 
     @field_validator("json_", mode="before")

@@ -19,7 +19,6 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.draft_model import DraftModel, DraftWork
 from pagedserve.engine.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.engine.sample.logprobs import gather_logprobs
-from pagedserve.engine.sample.processors import banned_bad_word_tokens
 from pagedserve.engine.spec_decode.rejection_sampler import SpecResult, SpecRow, rejection_sample
 
 
@@ -146,8 +145,7 @@ def _apply_position_processors(logits: torch.Tensor, drafts: list[list[int]], st
                 rows[:below_min, torch.tensor(blocked, device=device)] = float("-inf")
         if state.bad_words_token_ids:
             for j in range(n):
-                banned = [t for t in banned_bad_word_tokens(state.bad_words_token_ids, state.output_token_ids + d[:j])
-                          if 0 <= t < vocab]
+                banned = [t for t in state.bad_words_trie.banned(state.output_token_ids, d[:j]) if 0 <= t < vocab]
                 if banned:
                     rows[j, torch.tensor(banned, device=device)] = float("-inf")
         if penalized:
