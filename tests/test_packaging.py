@@ -13,6 +13,7 @@ environment with everything outside the runtime requirements' dependency closure
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -131,13 +132,24 @@ def runtime_closure() -> set[str]:
     return names
 
 
+def _setuptools_vendored() -> set[str]:
+    """Top-level modules setuptools carries in its _vendor folder (jaraco, more_itertools, ...): a fresh venv
+    imports them from there (torch's cpp_extension imports setuptools when it builds the CPU ops), so hiding a
+    site-packages copy by its module name would hide the vendored one too."""
+    spec = importlib.util.find_spec("setuptools")
+    if spec is None or spec.origin is None:
+        return set()
+    vendor = Path(spec.origin).parent / "_vendor"
+    return {p.name.removesuffix(".py") for p in vendor.iterdir() if not p.name.endswith(".dist-info")} if vendor.is_dir() else set()
+
+
 def hidden_environment() -> dict[str, str]:
     """Environment variables for tests/runtime_only/sitecustomize.py: every installed distribution outside
     the runtime closure, and the top-level modules only they provide."""
     keep = runtime_closure() | VENV_BASE
     hidden = {_canonical(d.metadata["Name"]) for d in metadata.distributions() if d.metadata["Name"]} - keep
     modules = {module for module, dists in metadata.packages_distributions().items()
-               if all(_canonical(d) in hidden for d in dists)}
+               if all(_canonical(d) in hidden for d in dists)} - _setuptools_vendored()
     assert TEST_ONLY_SAMPLES <= hidden, f"not hidden: {TEST_ONLY_SAMPLES - hidden}"
     pythonpath = os.pathsep.join(p for p in (str(ROOT / "tests" / "runtime_only"), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": pythonpath, "PAGEDSERVE_HIDDEN_DISTRIBUTIONS": ",".join(sorted(hidden)),

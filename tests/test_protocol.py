@@ -13,7 +13,8 @@ from pagedserve.cluster.cli import build_parser, serve_args_from
 from pagedserve.cluster.metrics import ServingMetrics, token_buckets
 from pagedserve.cluster.serving.errors import bad_request
 from pagedserve.cluster.serving.formatting import MIN_LOGPROB, chat_logprobs, completion_logprobs, sse
-from pagedserve.cluster.serving.requests import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pagedserve.cluster.serving.requests import ChatCompletionRequest, CompletionRequest
+from pagedserve.cluster.serving.tokenization import TokenizeRequest
 from pagedserve.cluster.serving.settings import API_KEY_ENV, ServeArgs
 from pagedserve.engine.outputs import CompletionOutput, Logprob
 

@@ -10,12 +10,8 @@ from pagedserve.cluster.serving import chat, completions, system, tokenization
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.errors import install_error_handlers
 from pagedserve.cluster.serving.middleware import ServingMiddleware
-from pagedserve.cluster.serving.requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from pagedserve.cluster.serving.requests import ChatCompletionRequest, CompletionRequest
+from pagedserve.cluster.serving.tokenization import DetokenizeRequest, TokenizeRequest
 
 # Paths that answer without an API key (probes; the scraper too unless --metrics-require-auth).
 PROBE_PATHS = frozenset({"/health", "/ping"})

@@ -433,22 +433,3 @@ class ChatCompletionRequest(SamplingRequest):
 
     def logprobs_field(self) -> str:
         return "top_logprobs"
-
-
-class TokenizeRequest(OpenAIRequest):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessageParam] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of prompt or messages")
-        return self
-
-
-class DetokenizeRequest(OpenAIRequest):
-    model: str | None = None
-    tokens: list[TokenId] = Field(max_length=1 << 20)

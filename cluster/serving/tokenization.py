@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+from pydantic import Field, model_validator
+
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.errors import APIError, bad_request
-from pagedserve.cluster.serving.requests import DetokenizeRequest, TokenizeRequest
+from pagedserve.cluster.serving.requests import ChatMessageParam, OpenAIRequest, TokenId
 from pagedserve.cluster.serving.responses import DetokenizeResponse, TokenizeResponse
+
+
+class TokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
 
 
 async def tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:

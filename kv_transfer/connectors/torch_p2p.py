@@ -45,7 +45,6 @@ not be stopped by `close()`; a socket is shut down and the thread wakes.
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -58,6 +57,7 @@ import torch
 
 from pagedserve.kv_transfer.config import KVTransferConfig
 from pagedserve.kv_transfer.connectors import p2p_channel, p2p_group, p2p_protocol
+from pagedserve.kv_transfer.connectors.p2p_io import IOWorkers, done_future
 from pagedserve.kv_transfer.connectors.p2p_server import P2PServer
 from pagedserve.kv_transfer.connectors.p2p_settings import FIELD_PREFIX, parse_settings
 from pagedserve.kv_transfer.kv_source import KVSource, ReadSpec
@@ -69,71 +69,6 @@ logger = logging.getLogger(__name__)
 _IO_THREADS = 4
 # Producers remembered as unreachable at most (expired entries go first).
 _MAX_UNREACHABLE = 4096
-
-
-class _IOWorkers:
-    """A few daemon threads that run one transport's network work, off the engine's step thread."""
-
-    def __init__(self, name: str, size: int) -> None:
-        self._name = name
-        self._size = size
-        self._queue: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise ConnectionError("torch_p2p: transport closed")
-            while len(self._threads) < self._size:
-                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                try:
-                    thread.start()
-                except RuntimeError:
-                    if not self._threads:
-                        raise
-                    break  # fewer threads than wished; those running serve the queue
-                self._threads.append(thread)
-            self._queue.put((future, fn, args))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits on the future
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-    def close(self) -> None:
-        """Cancel what has not started; the threads end after their current task (daemons: never joined)."""
-        with self._lock:
-            self._closed = True
-            threads = len(self._threads)
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-        for _ in range(threads):
-            self._queue.put(None)
-
-
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
 
 
 class _Pair:
@@ -280,7 +215,7 @@ class TorchP2PTransport(KVTransport):
         self._client_tls = p2p_channel.client_tls_context(self.settings) if config.is_consumer else None
         self._server_tls = p2p_channel.server_tls_context(self.settings) if config.is_producer else None
         self.server: P2PServer | None = None
-        self._io = _IOWorkers(f"torch-p2p-io-{rank}", _IO_THREADS)
+        self._io = IOWorkers(f"torch-p2p-io-{rank}", _IO_THREADS)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._connecting: dict[tuple[str, int], Future] = {}
         self._unreachable: dict[tuple[str, int], tuple[float, str]] = {}  # until (monotonic), why
@@ -323,7 +258,7 @@ class TorchP2PTransport(KVTransport):
             pair = self._pairs.get(key)
             if pair is not None:
                 if pair.usable():
-                    return _done(pair)
+                    return done_future(pair)
                 del self._pairs[key]
             pending = self._connecting.get(key)
             if pending is not None:
