@@ -48,33 +48,12 @@ def test_the_serve_engine_client_carries_the_salt_to_its_replica(tiny_llama):
     """ServeEngineClient -> engine deployment -> engine actor -> AsyncLLM, in-process (a fake handle)."""
     from pagedserve.cluster.engine_deployment import PagedServeEngine
     from pagedserve.cluster.serve_client import ServeEngineClient
+    from tests.serve_handle_fakes import FakeHandle
 
     replica = PagedServeEngine({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB",
                                 "block_size": 4})
 
-    class Response:
-        def __init__(self, stream) -> None:
-            self.stream = stream
-
-        def __aiter__(self):
-            return self.stream
-
-        def cancel(self) -> None:
-            pass
-
-    class Handle:
-        def options(self, stream: bool):
-            return self
-
-        @property
-        def generate(self):
-            class Method:
-                @staticmethod
-                def remote(*args, **kwargs):
-                    return Response(replica.generate(*args, **kwargs))
-            return Method()
-
-    client = ServeEngineClient(Handle(), "app", "engine")
+    client = ServeEngineClient(FakeHandle(replica), "app", "engine")
 
     async def cached(rid: str, salt: str | None) -> int:
         outputs = [o async for o in client.generate(rid, PROMPT, GREEDY, final_only=True, cache_salt=salt)]

@@ -23,6 +23,7 @@ from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from starlette.testclient import TestClient
 
+from tests.serve_handle_fakes import FakeHandle
 from tests.local_serving import LocalServer
 from tests.pd_local import LocalPD, normalized, same_answer
 
@@ -228,36 +229,13 @@ def test_the_serve_engine_client_asks_its_replica_for_the_final_output(tiny_llam
     the prompt stays the router's second positional argument and `final_only` travels as a keyword."""
     replica = PagedServeEngine({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB",
                                 "block_size": 4})
-    calls: list[tuple] = []
-
-    class Response:
-        def __init__(self, stream) -> None:
-            self.stream = stream
-
-        def __aiter__(self):
-            return self.stream
-
-        def cancel(self) -> None:
-            pass
-
-    class Handle:
-        def options(self, stream: bool):
-            return self
-
-        @property
-        def generate(self):
-            class Method:
-                @staticmethod
-                def remote(*args, **kwargs):
-                    calls.append((args, kwargs))
-                    return Response(replica.generate(*args, **kwargs))
-            return Method()
+    handle = FakeHandle(replica)
 
     kinds: list[OutputKind] = []
     real = replica.actor.engine.generate
     monkeypatch.setattr(replica.actor.engine, "generate",
                         lambda *a, **k: (kinds.append(k.get("output_kind")), real(*a, **k))[1])
-    client = ServeEngineClient(Handle(), "app", "engine")
+    client = ServeEngineClient(handle, "app", "engine")
 
     async def run(final_only: bool) -> list[RequestOutput]:
         return [o async for o in client.generate(f"r{final_only}", [5, 6, 7, 8, 9], {"max_tokens": 6,
@@ -268,8 +246,8 @@ def test_the_serve_engine_client_asks_its_replica_for_the_final_output(tiny_llam
     finally:
         replica.actor.shutdown()
     assert kinds == [OutputKind.FINAL_ONLY, OutputKind.DELTA]
-    assert [args[1] for args, _ in calls] == [[5, 6, 7, 8, 9]] * 2
-    assert [kwargs["final_only"] for _, kwargs in calls] == [True, False]
+    assert [args[1] for args, _ in handle.calls] == [[5, 6, 7, 8, 9]] * 2
+    assert [kwargs["final_only"] for _, kwargs in handle.calls] == [True, False]
     assert len(final) == 1 and final[0].finished and len(deltas) > 1
     assert final[0].outputs[0].token_ids == [t for d in deltas for t in d.outputs[0].token_ids]
     assert final[0].outputs[0].text == "".join(d.outputs[0].text for d in deltas)

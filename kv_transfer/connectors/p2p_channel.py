@@ -225,12 +225,16 @@ def server_tls_context(settings: P2PSettings) -> ssl.SSLContext | None:
     except (OSError, ssl.SSLError) as exc:
         raise _load_failed("kv_tls_certfile", settings.kv_tls_certfile, exc) from None
     if settings.kv_tls_cafile:
-        try:
-            ctx.load_verify_locations(settings.kv_tls_cafile)
-        except (OSError, ssl.SSLError) as exc:
-            raise _load_failed("kv_tls_cafile", settings.kv_tls_cafile, exc) from None
-        ctx.verify_mode = ssl.CERT_REQUIRED
+        _require_peer_certificates(ctx, settings.kv_tls_cafile)
     return ctx
+
+
+def _require_peer_certificates(ctx: ssl.SSLContext, cafile: str) -> None:
+    try:
+        ctx.load_verify_locations(cafile)
+    except (OSError, ssl.SSLError) as exc:
+        raise _load_failed("kv_tls_cafile", cafile, exc) from None
+    ctx.verify_mode = ssl.CERT_REQUIRED
 
 
 def client_tls_context(settings: P2PSettings) -> ssl.SSLContext | None:
@@ -242,11 +246,7 @@ def client_tls_context(settings: P2PSettings) -> ssl.SSLContext | None:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.check_hostname = False  # producers are addressed by IP; the secret handshake decides who is a peer
     if settings.kv_tls_cafile:
-        try:
-            ctx.load_verify_locations(settings.kv_tls_cafile)
-        except (OSError, ssl.SSLError) as exc:
-            raise _load_failed("kv_tls_cafile", settings.kv_tls_cafile, exc) from None
-        ctx.verify_mode = ssl.CERT_REQUIRED
+        _require_peer_certificates(ctx, settings.kv_tls_cafile)
     else:
         ctx.verify_mode = ssl.CERT_NONE
     if settings.kv_tls_certfile:
