@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.cluster.metrics import ServingMetrics
+from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.errors import APIError, bad_request, engine_error
 from pagedserve.cluster.serving.formatting import sse
 from pagedserve.cluster.serving.requests import SamplingRequest
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 from pagedserve.cluster.serving.streams import EncodedPrompt, RequestTimer, merge_streams, timed
 from pagedserve.engine.models.default_model import describe_model
 from pagedserve.engine.outputs import RequestOutput

@@ -44,14 +44,14 @@ import ray
 from ray.exceptions import ActorUnavailableError
 from pydantic import ValidationError
 
-from pagedserve.cluster.placement import (
+from pagedserve.cluster.executor.placement import (
     pinned_engine_kwargs,
     plan_engine_placement,
     restrict_to_assigned_gpus,
     warn_if_gpus_short,
 )
-from pagedserve.cluster.ray_utils import ensure_ray
-from pagedserve.cluster.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
+from pagedserve.cluster.executor.ray_utils import ensure_ray
+from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.output_processor import OutputKind

@@ -18,11 +18,11 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS
-from pagedserve.cluster.routing_policy import DECISIONS
-from pagedserve.cluster.router_registry import routers_for
-from pagedserve.cluster.spec_stats import sum_spec
-from pagedserve.cluster.stream_transport import PromptRestorer
+from pagedserve.cluster.serve.coordinator import COUNTER_KEYS, GAUGE_KEYS
+from pagedserve.cluster.serve.routing_policy import DECISIONS
+from pagedserve.cluster.serve.router_registry import routers_for
+from pagedserve.cluster.fleet_stats import sum_spec
+from pagedserve.cluster.serve.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError
 from pagedserve.engine.outputs import RequestOutput
 

@@ -36,8 +36,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS, DPCoordinator
-from pagedserve.cluster.spec_stats import sum_spec
+from pagedserve.cluster.serve.coordinator import COUNTER_KEYS, GAUGE_KEYS, DPCoordinator
+from pagedserve.cluster.fleet_stats import sum_spec
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.engine.outputs import RequestOutput

@@ -35,11 +35,11 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from pagedserve.cluster.abort_batcher import AbortBatcher
-from pagedserve.cluster.stream_transport import PromptRestorer
+from pagedserve.cluster.serve.abort_batcher import AbortBatcher
+from pagedserve.cluster.serve.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
-from pagedserve.cluster.routing_policy import RoutingParams, RoutingPolicy, engine_load
-from pagedserve.cluster.spec_stats import sum_spec
+from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.cluster.fleet_stats import sum_spec
 from pagedserve.engine.core.block_pool import BlockHash
 from pagedserve.engine.outputs import RequestOutput
 

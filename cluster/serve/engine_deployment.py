@@ -21,10 +21,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedserve.cluster.engine_actor import EngineActor
-from pagedserve.cluster.placement import with_engine_kv_share
-from pagedserve.cluster.routing_policy import prefix_hashes
-from pagedserve.cluster.serve_router import short_hash
+from pagedserve.cluster.serve.engine_actor import EngineActor
+from pagedserve.cluster.executor.placement import with_engine_kv_share
+from pagedserve.cluster.serve.routing_policy import prefix_hashes
+from pagedserve.cluster.serve.router import short_hash
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
