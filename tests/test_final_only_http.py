@@ -43,7 +43,7 @@ class AlwaysDelta:
 
 
 def old_way_client(serving: OpenAIServing) -> TestClient:
-    old = OpenAIServing(AlwaysDelta(serving.coordinator), serving.tokenizer, serving.args, serving.max_model_len)
+    old = OpenAIServing(AlwaysDelta(serving.client), serving.tokenizer, serving.args, serving.max_model_len)
     return TestClient(build_fastapi_app(old), raise_server_exceptions=False)
 
 

@@ -44,6 +44,7 @@ import ray
 from ray.exceptions import ActorUnavailableError
 from pydantic import ValidationError
 
+from pagedserve.cluster.fleet_stats import ENGINE_FIGURES
 from pagedserve.cluster.executor.placement import (
     pinned_engine_kwargs,
     plan_engine_placement,
@@ -60,11 +61,6 @@ from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Stats keys copied from the engine's SchedulerStats.
-_SCHEDULER_KEYS = (
-    "num_running", "num_waiting", "kv_cache_usage", "num_preemptions", "prefix_cache_queries",
-    "prefix_cache_hits", "num_free_blocks", "num_total_blocks", "num_prompt_tokens", "num_generation_tokens",
-)
 
 
 def _plain_value_error(exc: ValueError) -> ValueError:
@@ -210,7 +206,7 @@ class EngineActor:
     async def get_stats(self) -> dict:
         stats = self.engine.get_stats()
         out: dict[str, Any] = {"engine_index": self.engine_index}
-        out.update({key: getattr(stats.scheduler, key) for key in _SCHEDULER_KEYS})
+        out.update({key: getattr(stats.scheduler, key) for key in ENGINE_FIGURES})
         out["num_unfinished"] = stats.num_unfinished
         out["healthy"] = stats.healthy
         now = time.monotonic()

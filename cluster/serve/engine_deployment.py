@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pagedserve.cluster.fleet_stats import ENGINE_FIGURES
 from pagedserve.cluster.serve.engine_actor import EngineActor
 from pagedserve.cluster.executor.placement import with_engine_kv_share
 from pagedserve.cluster.serve.routing_policy import prefix_hashes
@@ -34,11 +35,7 @@ REPORTED_PREFIX_BLOCKS = 8
 # Most prefix hashes a replica remembers and reports (newest first out of the LRU, oldest dropped).
 MAX_REPORTED_PREFIXES = 4096
 
-ROUTING_STATS_KEYS = (
-    "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "num_preemptions",
-    "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens", "healthy",
-    "num_unfinished", "incarnation", "spec_decoding",
-)
+ROUTING_STATS_KEYS = (*ENGINE_FIGURES, "healthy", "num_unfinished", "incarnation", "spec_decoding")
 
 
 def _node_id() -> str:
