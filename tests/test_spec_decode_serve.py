@@ -162,10 +162,10 @@ def test_coordinator_spec_counters_stay_monotonic_across_restarts():
     coordinator = DPCoordinator([object(), object()], block_size=4)
     first, second = coordinator.engines
     assert "spec_decoding" not in coordinator.aggregate_stats()
-    DPCoordinator._update_stats(first, {"incarnation": "a", "stats_time": 1.0, "spec_decoding": _spec(4, 12, [3, 2])})
-    DPCoordinator._update_stats(second, {"incarnation": "x", "stats_time": 1.0, "spec_decoding": _spec(1, 3, [1])})
+    coordinator._update_stats(first, {"incarnation": "a", "stats_time": 1.0, "spec_decoding": _spec(4, 12, [3, 2])})
+    coordinator._update_stats(second, {"incarnation": "x", "stats_time": 1.0, "spec_decoding": _spec(1, 3, [1])})
     # The first engine restarts: its new incarnation counts from zero, the old figures are kept.
-    DPCoordinator._update_stats(first, {"incarnation": "b", "stats_time": 0.5, "spec_decoding": _spec(1, 3, [1])})
+    coordinator._update_stats(first, {"incarnation": "b", "stats_time": 0.5, "spec_decoding": _spec(1, 3, [1])})
     spec = coordinator.aggregate_stats()["spec_decoding"]
     assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (6, 18, 7)
     assert spec["accepted_per_position"] == [5, 2]

@@ -12,24 +12,18 @@ from typing import Any
 from pagedserve.kv_transfer.kv_source import ReadSpec
 
 
-def _executor(engine: Any) -> Any:
-    """The executor of an AsyncLLM's engine core."""
-    return engine.engine.engine_core.executor
-
-
-def rank_actors(engine: Any) -> list:
-    """Per rank of an AsyncLLM's engine: its worker-group rank actor, or None when the worker runs in
-    this process (the engine host answers `kv_read` for it)."""
-    executor = _executor(engine)
+def rank_actors(executor: Any, world_size: int) -> list:
+    """Per rank of an engine (given its executor): its worker-group rank actor, or None when the worker
+    runs in this process (the engine host answers `kv_read` for it)."""
     group = getattr(executor, "group", None)
     if group is None:
-        return [None] * engine.config.world_size
+        return [None] * world_size
     return list(group.actors)
 
 
-def read_local(engine: Any, rank: int, token: str, spec: ReadSpec, layers: list[int], auth: Any) -> list:
+def read_local(executor: Any, rank: int, token: str, spec: ReadSpec, layers: list[int], auth: Any) -> list:
     """`Worker.kv_read` for a rank whose worker runs in this process (an in-process executor)."""
-    worker = getattr(_executor(engine), "worker", None)
+    worker = getattr(executor, "worker", None)
     if worker is None or rank != 0:
         raise ConnectionError(f"rank {rank!r} of this engine does not run in the engine host's process")
     return worker.kv_read(token, spec, layers, auth)

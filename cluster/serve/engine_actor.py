@@ -117,6 +117,22 @@ class EngineActor:
         self._watchdog = threading.Thread(target=self._watch_engine, name="engine-watchdog", daemon=True)
         self._watchdog.start()
 
+    # ------------------------------------------------------------------ the engine's parts, in one place
+
+    @property
+    def executor(self) -> Any:
+        """This engine's executor: a worker group (one Ray actor per rank) or one worker in this process."""
+        return self.engine.engine.engine_core.executor
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.engine.engine_core.num_blocks
+
+    def rank_node_ids(self) -> list[str | None]:
+        """The Ray node of each of this engine's ranks (this actor's own for an in-process worker)."""
+        group = getattr(self.executor, "group", None)
+        return [rank.node_id for rank in group.ranks] if group is not None else [_node_id()]
+
     # ------------------------------------------------------------------ remote API
 
     async def ready(self) -> dict:
@@ -129,7 +145,7 @@ class EngineActor:
             restarted = False
         return {
             "engine_index": self.engine_index,
-            "num_kv_blocks": self.engine.engine.engine_core.num_blocks,
+            "num_kv_blocks": self.num_kv_blocks,
             "block_size": config.block_size,
             "max_model_len": config.max_model_len,
             "max_num_seqs": config.max_num_seqs,
@@ -227,14 +243,14 @@ class EngineActor:
         """Per rank, the actor a PD consumer reads that rank's KV from: None for a rank in this process."""
         from pagedserve.cluster.pd.rank_server import rank_actors
 
-        return rank_actors(self.engine)
+        return rank_actors(self.executor, self.engine.config.world_size)
 
     async def kv_read(self, rank: int, token: str, spec: Any, layers: list[int], auth: Any) -> list:
         """A PD consumer reads the KV of a rank in this process (signed: cluster/pd/read_auth.py; off the
         event loop)."""
         from pagedserve.cluster.pd.rank_server import read_local
 
-        return await asyncio.to_thread(read_local, self.engine, rank, token, spec, layers, auth)
+        return await asyncio.to_thread(read_local, self.executor, rank, token, spec, layers, auth)
 
     async def kv_release(self, request_id: str, hold_token: str) -> None:
         """A PD consumer is done with a finished prefill's KV: free its blocks (only with the hold's token)."""

@@ -69,14 +69,12 @@ class PagedServeEngine:
                                  stall_timeout_s=stall_timeout_s)
         self.block_size = self.actor.engine.config.block_size
         self._prefixes: OrderedDict[str, None] = OrderedDict()
-        logger.info("engine replica %s ready: %d KV blocks", self.replica, self.actor.engine.engine.engine_core.num_blocks)
+        logger.info("engine replica %s ready: %d KV blocks", self.replica, self.actor.num_kv_blocks)
 
     async def ready(self) -> dict:
         """The engine's settings, this replica, and the Ray nodes it and its TP/PP ranks run on."""
-        group = getattr(self.actor.engine.engine.engine_core.executor, "group", None)
-        rank_nodes = [rank.node_id for rank in group.ranks] if group is not None else [self.node_id]
         return {**(await self.actor.ready()), "replica": self.replica, "node_id": self.node_id,
-                "rank_node_ids": rank_nodes}
+                "rank_node_ids": self.actor.rank_node_ids()}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
                        priority: int = 0, final_only: bool = False,
