@@ -94,3 +94,4 @@ def test_engines_clients_and_metrics_read_the_one_list_of_figures():
     assert set(ENGINE_FIGURES) <= set(ROUTING_STATS_KEYS)
     assert {key for _, key, _ in metrics._GAUGES} == {*GAUGE_KEYS, "kv_cache_usage"}
     assert {key for _, key, _ in metrics._COUNTERS} == set(COUNTER_KEYS)
+

@@ -47,6 +47,27 @@ async def connect_engines(args: ServeArgs, engine: Any) -> EngineConnection:
     return EngineConnection(client, [{**info, "engine_index": info.get("replica", 0)}], info["max_model_len"])
 
 
+class ServedBy:
+    """Names the ingress replica that answered in an `x-pagedserve-ingress` header (load balancer
+    debugging). Plain ASGI: it touches only the response start, never the streamed body."""
+
+    def __init__(self, app: Any, replica: str) -> None:
+        self.app = app
+        self.header = (b"x-pagedserve-ingress", replica.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
 @serve.deployment(
     name="PagedServeIngress",
     num_replicas=1,
@@ -71,14 +92,7 @@ class PagedServeIngress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = build_fastapi_app(self.serving, behind_serve_proxy=True)
-        replica = serve.get_replica_context().replica_id.unique_id
-
-        @app.middleware("http")
-        async def served_by(request, call_next):  # which ingress replica answered (load balancer debugging)
-            response = await call_next(request)
-            response.headers["x-pagedserve-ingress"] = replica
-            return response
-
+        app.add_middleware(ServedBy, replica=serve.get_replica_context().replica_id.unique_id)
         return app
 
     async def get_engine_info(self) -> list[dict]:
