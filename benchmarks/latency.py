@@ -5,7 +5,7 @@
 
 import sys
 
-from pagedserve.cluster.cli import main
+from pagedserve.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "latency", *sys.argv[1:]]))

@@ -30,11 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-from pagedserve.cluster.bench import report as rep
-from pagedserve.cluster.bench.loadgen import run_load, server_info
-from pagedserve.cluster.bench.serve_load import LocalServer, parse_rates, run_entry, runs_table
-from pagedserve.cluster.bench.slo import rate_label
-from pagedserve.cluster.bench.workload import parse_range, synthetic
+from pagedserve.bench import report as rep
+from pagedserve.bench.loadgen import run_load, server_info
+from pagedserve.bench.serve_load import LocalServer, parse_rates, run_entry, runs_table
+from pagedserve.bench.slo import rate_label
+from pagedserve.bench.workload import parse_range, synthetic
 
 
 def ttft_knee(results: list[dict], factor: float) -> float | str | None:
@@ -51,10 +51,10 @@ def routing_overhead(model: str, extra: dict, n: int) -> dict:
     import ray
     from ray import serve
 
-    from pagedserve.cluster.coordinator import DPCoordinator
-    from pagedserve.cluster.engine_actor import start_engine_actors, wait_engines_ready
-    from pagedserve.cluster.serve_client import ServeEngineClient
-    from pagedserve.cluster.serving.settings import ServeArgs
+    from pagedserve.cluster.serve.coordinator import DPCoordinator
+    from pagedserve.cluster.serve.engine_actor import start_engine_actors, wait_engines_ready
+    from pagedserve.cluster.serve.client import ServeEngineClient
+    from pagedserve.cluster.settings import ServeArgs
 
     args = ServeArgs(model=model, **extra)
     params = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the PD shape's KV transport (--pd)")
     ns = parser.parse_args(argv)
 
-    from pagedserve.cluster.ray_utils import free_port
+    from pagedserve.cluster.executor.ray_utils import free_port
     from pagedserve.engine.models.default_model import resolve_default_model
 
     model = ns.model or resolve_default_model()

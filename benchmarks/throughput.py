@@ -6,7 +6,7 @@ it prints the host-overhead share of the run beside the throughput.
 
 import sys
 
-from pagedserve.cluster.cli import main
+from pagedserve.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "throughput", *sys.argv[1:]]))

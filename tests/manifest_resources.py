@@ -89,7 +89,7 @@ def engine_replicas(args: Any, app: dict) -> int:
 
 
 def pool_demand(args: Any, role: str, cluster_has_gpu: bool) -> EngineDemand:
-    """One engine of a prefill/decode pool (`cluster/pd/pools.py`): the pool's TP/PP layout, and its custom
+    """One engine of a prefill/decode pool (`cluster/serve/pd_pools.py`): the pool's TP/PP layout, and its custom
     resources on the engine actor or on every bundle of its placement group."""
     layout = {"tensor_parallel_size": getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size,
               "pipeline_parallel_size": getattr(args, f"{role}_pipeline_parallel_size") or args.pipeline_parallel_size}

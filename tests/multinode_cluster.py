@@ -38,7 +38,7 @@ class LocalCluster:
         import ray
         from ray.cluster_utils import Cluster
 
-        from pagedserve.cluster.ray_utils import free_port
+        from pagedserve.cluster.executor.ray_utils import free_port
 
         self._auth_mode = os.environ.get("RAY_AUTH_MODE")
         os.environ["RAY_AUTH_MODE"] = "disabled"  # only for the cluster this test starts (restored by close)

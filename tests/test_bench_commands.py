@@ -9,9 +9,9 @@ import json
 import pytest
 import yaml
 
-from pagedserve.cluster.bench.report import REPORT_SCHEMA, validate_report
-from pagedserve.cluster.bench.roofline import machine_figures
-from pagedserve.cluster.cli import main
+from pagedserve.bench.report import REPORT_SCHEMA, validate_report
+from pagedserve.bench.roofline import machine_figures
+from pagedserve.cli import main
 from tests.local_ray import fresh_local_ray
 from tests.manifest_checks import build_serve_app, validate_serve_config
 

@@ -8,13 +8,13 @@ import math
 
 import pytest
 
-from pagedserve.cluster.bench import hf_baseline, readme, roofline
-from pagedserve.cluster.bench import report as rep
-from pagedserve.cluster.bench.roofline import Machine, ModelFacts, machine_figures, probe, run_roofline, step_roofline
-from pagedserve.cluster.bench.slo import RequestLatency, goodput, max_rate_meeting_slo, meets_slo, parse_slo
-from pagedserve.cluster.bench.tune import pick_best
-from pagedserve.cluster.bench.workload import BenchRequest
-from pagedserve.cluster.cli import main
+from pagedserve.bench import hf_baseline, readme, roofline
+from pagedserve.bench import report as rep
+from pagedserve.bench.roofline import Machine, ModelFacts, machine_figures, probe, run_roofline, step_roofline
+from pagedserve.bench.slo import RequestLatency, goodput, max_rate_meeting_slo, meets_slo, parse_slo
+from pagedserve.bench.tune import pick_best
+from pagedserve.bench.workload import BenchRequest
+from pagedserve.cli import main
 
 # ----------------------------------------------------------------------------- SLO and goodput
 
@@ -145,7 +145,7 @@ def test_run_roofline_takes_the_measured_step_count():
 
 
 def test_probe_smoke_and_cache(tmp_path, monkeypatch):
-    from pagedserve.cluster.bench import roofline
+    from pagedserve.bench import roofline
 
     machine = probe(bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",), repeats=1)
     assert machine.memory_bandwidth > 0 and machine.matmul_flops["float32"] > 0

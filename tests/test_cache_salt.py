@@ -46,8 +46,8 @@ def test_a_bad_salt_is_a_value_error_naming_it(tiny_llama, salt, message):
 
 def test_the_serve_engine_client_carries_the_salt_to_its_replica(tiny_llama):
     """ServeEngineClient -> engine deployment -> engine actor -> AsyncLLM, in-process (a fake handle)."""
-    from pagedserve.cluster.engine_deployment import PagedServeEngine
-    from pagedserve.cluster.serve_client import ServeEngineClient
+    from pagedserve.cluster.serve.client import ServeEngineClient
+    from pagedserve.cluster.serve.engine_deployment import PagedServeEngine
     from tests.serve_handle_fakes import FakeHandle
 
     replica = PagedServeEngine({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB",

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from ray.exceptions import RayTaskError
 
-from pagedserve.cluster.coordinator import DPCoordinator
+from pagedserve.cluster.serve.coordinator import DPCoordinator
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from tests.coordinator_fakes import FakeEngine, Method, engine_stats, make_coordinator, make_prompt, raising
 

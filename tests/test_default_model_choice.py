@@ -112,7 +112,7 @@ def test_the_banner_names_the_model_and_why(absent, capsys):
 def test_the_model_card_says_which_default_is_served_and_why(absent):
     from pagedserve.cluster.serving.app import build_fastapi_app
     from pagedserve.cluster.serving.core import OpenAIServing
-    from pagedserve.cluster.serving.settings import ServeArgs
+    from pagedserve.cluster.settings import ServeArgs
     from pagedserve.engine.processor import load_tokenizer
     from tests.local_serving import ScriptedCoordinator
 

@@ -79,7 +79,7 @@ def test_default_model_answers_through_its_chat_template(llm, gguf_path):
     """What `make serve` serves: the chat template comes from the GGUF file and the answer is right."""
     from gguf import GGUFReader
 
-    from pagedserve.cluster.serving.settings import ServeArgs
+    from pagedserve.cluster.settings import ServeArgs
 
     args = ServeArgs(api_key=None)
     assert args.model == str(gguf_path) and args.model_name == "pagedserve-default"
@@ -136,7 +136,7 @@ def test_serve_args_take_a_gguf_file(gguf_path, tmp_path):
     """A .gguf path is a model for `pagedserve serve`; the packaged one is served as pagedserve-default."""
     from pydantic import ValidationError
 
-    from pagedserve.cluster.serving.settings import ServeArgs
+    from pagedserve.cluster.settings import ServeArgs
 
     assert ServeArgs(model=str(gguf_path), api_key=None).model_name == "pagedserve-default"
     other = tmp_path / "notes.txt"

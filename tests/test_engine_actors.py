@@ -10,9 +10,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pagedserve.cluster.coordinator import DPCoordinator  # noqa: E402
-from pagedserve.cluster.engine_actor import EngineActor, start_engine_actors, wait_engines_ready  # noqa: E402
-from pagedserve.cluster.stream_transport import STREAM_BACKPRESSURE_OBJECTS  # noqa: E402
+from pagedserve.cluster.serve.coordinator import DPCoordinator  # noqa: E402
+from pagedserve.cluster.serve.engine_actor import EngineActor, start_engine_actors, wait_engines_ready  # noqa: E402
+from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS  # noqa: E402
 from pagedserve.engine import LLM, SamplingParams  # noqa: E402
 from pagedserve.engine.async_llm import EngineDeadError  # noqa: E402
 

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 import pytest
-from pagedserve.cluster.engine_deployment import PagedServeEngine
-from pagedserve.cluster.serve_client import ServeEngineClient
+from pagedserve.cluster.serve.engine_deployment import PagedServeEngine
+from pagedserve.cluster.serve.client import ServeEngineClient
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.streams import RequestTimer
@@ -44,7 +44,7 @@ class AlwaysDelta:
 
 
 def old_way_client(serving: OpenAIServing) -> TestClient:
-    old = OpenAIServing(AlwaysDelta(serving.coordinator), serving.tokenizer, serving.args, serving.max_model_len)
+    old = OpenAIServing(AlwaysDelta(serving.client), serving.tokenizer, serving.args, serving.max_model_len)
     return TestClient(build_fastapi_app(old), raise_server_exceptions=False)
 
 

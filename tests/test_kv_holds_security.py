@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedserve.cluster.pd import rank_server
 from pagedserve.cluster.pd.read_auth import ReadAuth, ReadAuthError, ReadVerifier, sign_read
 from pagedserve.kv_transfer.config import KVTransferConfig
 from pagedserve.kv_transfer.connectors import p2p_protocol
 from pagedserve.kv_transfer.holds import MAX_ID_CHARS, HoldGrant, hash_token, new_hold_token
 from pagedserve.kv_transfer.kv_source import KVSource, ReadRefused, ReadSpec
 from pagedserve.kv_transfer.layout import KVLayout
+from pagedserve.kv_transfer.rank_read import read_layers
 from pagedserve.kv_transfer.scheduler_connector import PDConnectorScheduler
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_size=4, dtype="float32", block_size=4)
@@ -371,18 +371,19 @@ def test_holds_reach_local_ranks_at_once_and_other_ranks_with_the_next_step():
 SECRET = b"s" * 32
 
 
-def _rank_worker(source: KVSource, serving_token: str = "serving") -> SimpleNamespace:
+def _rank_hooks(source: KVSource, serving_token: str = "serving") -> SimpleNamespace:
+    """The worker half of a producer rank's KV connector, as `Worker.kv_read` hands it to `read_layers`."""
     transport = SimpleNamespace(token=serving_token, verifier=ReadVerifier(SECRET, source.rank))
-    return SimpleNamespace(model_runner=SimpleNamespace(kv_hooks=SimpleNamespace(source=source, transport=transport)))
+    return SimpleNamespace(source=source, transport=transport)
 
 
 def test_ray_reads_are_refused_unless_signed_with_the_deployment_secret():
     source = KVSource(LAYOUT, 0, _caches())
-    worker = _rank_worker(source)
+    hooks = _rank_hooks(source)
     token = _grant(source, "h@0", (1, 2))
     spec = _spec("h@0", token)
     good = sign_read(SECRET, "serving", 0, spec, [0])
-    ((k, _),) = rank_server.read_layers(worker, "serving", spec, [0], good)
+    ((k, _),) = read_layers(hooks, "serving", spec, [0], good)
     assert torch.equal(k, _oracle(source, (1, 2), 0, 8, 0))
     altered = _spec("h@0", token, 0, 4)
     forged = {
@@ -398,18 +399,18 @@ def test_ray_reads_are_refused_unless_signed_with_the_deployment_secret():
     }
     for what, auth in forged.items():
         with pytest.raises(ReadAuthError):
-            rank_server.read_layers(worker, "serving", spec, [0], auth)
+            read_layers(hooks, "serving", spec, [0], auth)
         assert source.reads_refused == 0, f"{what}: reached the source"
     # A signed read is still only a read of a hold it names with its token.
     for bad in (_spec("h@0", "guessed"), _spec("gone@0", token)):
         with pytest.raises(ReadRefused):
-            rank_server.read_layers(worker, "serving", bad, [0], sign_read(SECRET, "serving", 0, bad, [0]))
+            read_layers(hooks, "serving", bad, [0], sign_read(SECRET, "serving", 0, bad, [0]))
     with pytest.raises(ConnectionError, match="restarted"):
-        rank_server.read_layers(worker, "an earlier incarnation", spec, [0], sign_read(SECRET, "serving", 0, spec, [0]))
+        read_layers(hooks, "an earlier incarnation", spec, [0], sign_read(SECRET, "serving", 0, spec, [0]))
     with pytest.raises(ReadRefused, match="not part of the read"):
         layers = [0, 1]
         narrow = _spec("h@0", token, layers=(0,))
-        rank_server.read_layers(worker, "serving", narrow, layers, sign_read(SECRET, "serving", 0, narrow, layers))
+        read_layers(hooks, "serving", narrow, layers, sign_read(SECRET, "serving", 0, narrow, layers))
 
 
 # ---------------------------------------------------------------------- whole engines, forged kv_transfer_params

@@ -1,9 +1,10 @@
 """The package's shape, enforced: one import package, imports that run one way, modules of a readable size.
 
-The rule (docs/architecture.md): cluster -> engine -> kv_transfer, parallel -> kernels. A module may
+The rule (docs/architecture.md): bench -> cluster -> engine -> kv_transfer, parallel -> kernels. A module may
 import its own layer and the layers below it, never one above; `engine` (and what it sits on) never
 imports `ray`; every internal import goes through `pagedserve.` so that nothing depends on the
-repository root being on sys.path.
+repository root being on sys.path. Inside cluster/ the rooms (serving, serve, executor, pd, and the
+modules at its top) follow their own one-way rule: serving -> top <- serve, pd; serve -> pd, executor.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("cluster", "engine", "kv_transfer", "parallel", "kernels")
+SUBPACKAGES = ("bench", "cluster", "engine", "kv_transfer", "parallel", "kernels")
 # What each layer may import from the others (its own layer is always allowed).
 ALLOWED: dict[str, set[str]] = {
+    "bench": {"cluster", "engine", "kv_transfer", "parallel", "kernels"},
     "cluster": {"engine", "kv_transfer", "parallel", "kernels"},
     "engine": {"kv_transfer", "parallel", "kernels"},
     "kv_transfer": {"parallel", "kernels"},
@@ -25,6 +27,18 @@ ALLOWED: dict[str, set[str]] = {
 }
 NO_RAY = ("engine", "kv_transfer", "parallel", "kernels")
 MAX_LINES = 450
+
+# cluster/, room by room. "top" is what every room reads (ServeArgs, the PD settings, fleet stats);
+# the CLI at the top is the one entry point above all rooms.
+ROOMS = ("serving", "serve", "executor", "pd")
+CLUSTER_ALLOWED: dict[str, set[str]] = {
+    "top": set(),
+    "serving": {"top"},  # the HTTP API reaches the engines only through the client it is handed
+    "serve": {"top", "serving", "pd", "executor"},
+    "pd": {"top", "executor"},
+    "executor": {"top"},
+    "cli": {"top", "serve"},
+}
 
 
 def _modules(folder: str) -> list[Path]:
@@ -102,3 +116,43 @@ def test_no_module_grows_past_a_readable_size():
     files = [p for folder in (*SUBPACKAGES, "pagedserve", "benchmarks") for p in _modules(folder)]
     big = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def _room(module: str) -> str | None:
+    """The cluster/ room of a `pagedserve.cluster...` module name (None outside cluster/)."""
+    parts = module.split(".")
+    if parts[:2] != ["pagedserve", "cluster"] or len(parts) < 3:
+        return None
+    if parts[2] in ROOMS:
+        return parts[2]
+    return "cli" if parts[2] == "cli" else "top"
+
+
+def _room_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing room, imported room) -> where, for every import between two rooms of cluster/."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in _modules("cluster"):
+        source = _room(".".join(["pagedserve", *path.relative_to(ROOT).with_suffix("").parts]))
+        for line, name in _imported_names(path):
+            target = _room(name)
+            if target is not None and source is not None and target != source:
+                edges.setdefault((source, target), []).append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    return edges
+
+
+def test_cluster_rooms_import_one_way():
+    bad = [where for (source, target), places in _room_edges().items()
+           if target not in CLUSTER_ALLOWED[source] for where in places]
+    assert not bad, "cluster/ rooms may import only " + str(CLUSTER_ALLOWED) + ":\n" + "\n".join(bad)
+
+
+def test_no_two_cluster_rooms_import_each_other():
+    edges = _room_edges()
+    both = sorted({tuple(sorted(pair)) for pair in edges if pair[::-1] in edges})
+    assert not both, "\n".join(f"{a} <-> {b}: {edges[(a, b)][:1] + edges[(b, a)][:1]}" for a, b in both)
+
+
+def test_cluster_rooms_are_the_documented_ones():
+    """A new folder under cluster/ is a new room: give it a rule above (and a paragraph in the docs)."""
+    folders = {p.name for p in (ROOT / "cluster").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(ROOMS), folders

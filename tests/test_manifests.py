@@ -54,7 +54,7 @@ def manifest(relative: str) -> dict:
 
 @pytest.fixture(scope="module")
 def serve_app():
-    from pagedserve.cluster import serve_app
+    from pagedserve.cluster.serve import app as serve_app
 
     return serve_app
 
@@ -536,7 +536,7 @@ def test_serve_config_broken_copies_fail(tiny_llama):
     with pytest.raises(ManifestError, match="num_cpu_per_engine"):
         build_serve_app(unknown_arg, tiny_llama)
     bad_import = copy.deepcopy(base)["applications"][0]
-    bad_import["import_path"] = "pagedserve.cluster.serve_app:build_ap"
+    bad_import["import_path"] = "pagedserve.cluster.serve.app:build_ap"
     with pytest.raises(ManifestError, match="does not import"):
         build_serve_app(bad_import, tiny_llama)
 

@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("ray")
 
-from pagedserve.cluster.ray_utils import free_port  # noqa: E402
+from pagedserve.cluster.executor.ray_utils import free_port  # noqa: E402
 from tests.multinode_cluster import (  # noqa: E402
     LocalCluster, node_resource, serve_deploy, wait_apps_running,
 )
@@ -41,7 +41,7 @@ def app_config(name: str, model: str, **args) -> dict:
     return {
         "name": name,
         "route_prefix": f"/{name}",
-        "import_path": "pagedserve.cluster.serve_app:build_app",
+        "import_path": "pagedserve.cluster.serve.app:build_app",
         "args": {"model": model, "app_name": name, "served_model_name": MODEL, "dtype": "float32",
                  "kv_cache_memory": "8MiB", "block_size": 4, "max_num_seqs": 16, "routing_stats_period_s": 0.2,
                  "graceful_shutdown_timeout_s": 5, **args},

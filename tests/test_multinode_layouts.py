@@ -23,7 +23,7 @@ def two_cpu_ray():
 
 @pytest.fixture(autouse=True)
 def no_autoscaler_override(monkeypatch):
-    from pagedserve.cluster.placement import AUTOSCALING_ENV
+    from pagedserve.cluster.executor.placement import AUTOSCALING_ENV
 
     monkeypatch.delenv(AUTOSCALING_ENV, raising=False)
 
@@ -44,7 +44,7 @@ def test_tp2_pp2_on_two_cpus_fails_at_once_naming_layout_offer_and_fix(tiny_llam
 
 def test_autoscaling_cluster_waits_bounded_instead(tiny_llama, monkeypatch, caplog):
     """Where nodes may still join, the same layout waits (placement_timeout_s), saying what it waits for."""
-    from pagedserve.cluster.placement import AUTOSCALING_ENV
+    from pagedserve.cluster.executor.placement import AUTOSCALING_ENV
     from pagedserve.engine import LLM
 
     monkeypatch.setenv(AUTOSCALING_ENV, "1")
@@ -73,7 +73,7 @@ def test_busy_cluster_waits_bounded_then_names_the_timeout(tiny_llama):
 
 
 def test_serve_app_that_can_never_be_placed_fails_at_build(tiny_llama):
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.cluster.serve.app import build_app
 
     with pytest.raises(ValueError, match=r"tp=2 x pp=2, a bundle of \{'CPU': 1.0\} for the replica and 4 rank"):
         build_app({"model": str(tiny_llama), "tensor_parallel_size": 2, "pipeline_parallel_size": 2})
@@ -117,9 +117,9 @@ def test_three_dp_engines_on_one_node_split_the_default_kv_budget(tiny_llama):
     from ray import serve
     from transformers import AutoConfig
 
-    from pagedserve.cluster.ray_utils import free_port
-    from pagedserve.cluster.serve_app import server_url, start_server
-    from pagedserve.cluster.serving.settings import ServeArgs
+    from pagedserve.cluster.executor.ray_utils import free_port
+    from pagedserve.cluster.serve.app import server_url, start_server
+    from pagedserve.cluster.settings import ServeArgs
     from tests.test_serve_scaleout import metric_samples
 
     # The default follows free RAM, which moves while engines start (and other processes run): bound each

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from pagedserve.cluster.ray_utils import free_port
+from pagedserve.cluster.executor.ray_utils import free_port
 from tests.multinode_sshd import LoopbackSSH, missing_requirements
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ echo "import site; site.addsitedir('{site}')" > ~/venv/lib/python3.11/site-packa
 printf '#!%s\\nimport sys\\nfrom ray.scripts.scripts import main\\nsys.exit(main())\\n' ~/venv/bin/python > ~/venv/bin/ray
 printf '#!%s\\nimport sys\\nfrom ray.serve.scripts import cli\\nsys.exit(cli())\\n' ~/venv/bin/python > ~/venv/bin/serve
 chmod +x ~/venv/bin/ray ~/venv/bin/serve
-~/venv/bin/python -c 'import pagedserve.cluster.serve_app'
+~/venv/bin/python -c 'import pagedserve.cluster.serve.app'
 """
 
 
@@ -106,7 +106,7 @@ def test_ray_up_local_provider_serves_then_ray_down(ssh, tmp_path, tiny_model_fa
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": http_port},
         "applications": [{"name": "pagedserve", "route_prefix": "/",
-                          "import_path": "pagedserve.cluster.serve_app:build_app",
+                          "import_path": "pagedserve.cluster.serve.app:build_app",
                           "args": {"model": str(ssh.home / "model"), "served_model_name": "tiny",
                                    "dtype": "float32", "kv_cache_memory": "8MiB", "block_size": 4,
                                    "num_cpus_per_engine": 1}}],

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 from tests.local_serving import ScriptedCoordinator
 
 API_KEY = "test-key"
@@ -34,8 +34,8 @@ def server(tiny_model_factory):
     import ray
     from ray import serve
 
-    from pagedserve.cluster.ray_utils import free_port
-    from pagedserve.cluster.serve_app import server_url, start_server
+    from pagedserve.cluster.executor.ray_utils import free_port
+    from pagedserve.cluster.serve.app import server_url, start_server
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

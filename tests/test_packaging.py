@@ -28,7 +28,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPI_KERNELS = "kernels==0.17.2"
-GENERIC_NAMES = ("engine", "kernels", "parallel", "kv_transfer", "cluster")
+GENERIC_NAMES = ("engine", "kernels", "parallel", "kv_transfer", "cluster", "bench")
 
 
 def _run(*cmd: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -57,7 +57,7 @@ def test_wheel_holds_only_the_pagedserve_package(wheel):
         assert f"pagedserve/{folder}/__init__.py" in names
     assert "pagedserve/kernels/cpu/paged_attention.cpp" in names  # the compiled CPU ops' sources ship too
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "pagedserve = pagedserve.cluster.cli:main" in entry_points
+    assert "pagedserve = pagedserve.cli:main" in entry_points
 
 
 def test_wheel_installs_beside_the_pypi_kernels_package(wheel, tmp_path):
@@ -204,10 +204,10 @@ def test_every_command_runs_on_the_runtime_requirements_alone(tmp_path):
 
 def test_serve_and_generate_leave_the_bench_modules_unimported():
     script = ("import sys\n"
-              "from pagedserve.cluster import cli\n"
+              "from pagedserve import cli\n"
               "def bench_modules():\n"
-              "    return sorted(m for m in sys.modules if m.startswith('pagedserve.cluster.bench.')\n"
-              "                  and m != 'pagedserve.cluster.bench.cli')\n"
+              "    return sorted(m for m in sys.modules if m.startswith('pagedserve.bench.')\n"
+              "                  and m != 'pagedserve.bench.cli')\n"
               "for argv in (['serve', '--help'], ['generate', '--help'], ['download-default', '--help'],\n"
               "             ['bench', '--help']):\n"
               "    try:\n"

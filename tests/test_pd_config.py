@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from pagedserve.cluster.cli import build_parser, serve_args_from
-from pagedserve.cluster.metrics import ServingMetrics
-from pagedserve.cluster.pd.app import build_pd_app, pool_specs
-from pagedserve.cluster.pd.client import prefill_is_answer, prefill_params
-from pagedserve.cluster.pd.pools import PoolSpec
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.serving.metrics import ServingMetrics
+from pagedserve.cluster.serve.pd_app import build_pd_app, pool_specs
+from pagedserve.cluster.serve.pd_client import prefill_is_answer, prefill_params
+from pagedserve.cluster.serve.pd_pools import PoolSpec
+from pagedserve.cluster.settings import ServeArgs
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from tests.manifest_checks import ManifestError, build_serve_app, load_yaml, validate_serve_config
 from tests.pd_local import metric, metric_samples
@@ -50,7 +50,7 @@ def test_the_app_secret_reaches_every_engine_and_no_repr(tiny_llama, monkeypatch
 
     from pydantic import SecretStr
 
-    from pagedserve.cluster.pd.pools import deployment_kv_secret
+    from pagedserve.cluster.serve.pd_pools import deployment_kv_secret
     from pagedserve.engine.config import EngineConfig
 
     monkeypatch.delenv("PAGEDSERVE_KV_SECRET", raising=False)
@@ -207,7 +207,7 @@ def test_metrics_families_of_the_pd_shape():
 
 
 def test_kv_transfer_counters_stay_monotonic_across_engine_restarts():
-    from pagedserve.cluster.pd.client import PDClient
+    from pagedserve.cluster.serve.pd_client import PDClient
 
     client = PDClient([object()], [object()], ["p0"], 4, 4)
 

@@ -12,8 +12,8 @@ import secrets
 
 import pytest
 
-from pagedserve.cluster.pd.client import PDClient
-from pagedserve.cluster.pd.pools import PoolSpec, deployment_kv_secret, start_pool, wait_pool_ready
+from pagedserve.cluster.serve.pd_client import PDClient
+from pagedserve.cluster.serve.pd_pools import PoolSpec, deployment_kv_secret, start_pool, wait_pool_ready
 
 PROMPTS = [[(19 * i + 7 * k) % 470 + 20 for k in range(n)] for i, n in enumerate((3, 9, 21, 34))]
 KILL_PROMPT = [(23 * k) % 470 + 20 for k in range(29)]  # seen by no engine before the kill test

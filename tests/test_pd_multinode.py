@@ -12,8 +12,8 @@ import secrets
 
 import pytest
 
-from pagedserve.cluster.pd.client import PDClient
-from pagedserve.cluster.pd.pools import PoolSpec, start_pool, wait_pool_ready
+from pagedserve.cluster.serve.pd_client import PDClient
+from pagedserve.cluster.serve.pd_pools import PoolSpec, start_pool, wait_pool_ready
 
 PROMPTS = [[(29 * i + 3 * k) % 470 + 20 for k in range(n)] for i, n in enumerate((6, 19, 37))]
 MAX_TOKENS = 6

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 from tests.local_serving import LocalServer
 from tests.pd_local import MODEL_NAME, metric, metric_samples, normalized, same_answer, sse_summary
 
@@ -53,8 +53,8 @@ def server(model):
     import ray
     from ray import serve
 
-    from pagedserve.cluster.ray_utils import free_port
-    from pagedserve.cluster.serve_app import server_url, start_server
+    from pagedserve.cluster.executor.ray_utils import free_port
+    from pagedserve.cluster.serve.app import server_url, start_server
 
     if ray.is_initialized():
         ray.shutdown()

@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from pagedserve.cluster import placement
-from pagedserve.cluster.engine_actor import engine_actor_options
-from pagedserve.cluster.placement import plan_engine_placement, restrict_to_assigned_gpus, uses_gpu
-from pagedserve.cluster.ray_executor import _use_gpu
-from pagedserve.cluster.worker_group import WorkerGroupOptions
+from pagedserve.cluster.executor import placement
+from pagedserve.cluster.serve.engine_actor import engine_actor_options
+from pagedserve.cluster.executor.placement import plan_engine_placement, restrict_to_assigned_gpus, uses_gpu
+from pagedserve.cluster.executor.ray_executor import _use_gpu
+from pagedserve.cluster.executor.worker_group import WorkerGroupOptions
 from pagedserve.engine.config import EngineConfig
 
 CPU_CLUSTER = {"CPU": 16.0, "memory": 1e10}
@@ -90,7 +90,7 @@ def test_outside_an_actor_visible_gpus_are_left_alone(monkeypatch):
 
 def test_too_few_gpus_for_all_engines_is_logged(caplog):
     kwargs = {"model": "m", "device": "cuda", "tensor_parallel_size": 2}
-    with caplog.at_level("WARNING", logger="pagedserve.cluster.placement"):
+    with caplog.at_level("WARNING", logger="pagedserve.cluster.executor.placement"):
         placement.warn_if_gpus_short(4, kwargs, GPU_CLUSTER)  # 4 engines x 2 ranks = 8 GPUs: enough
         assert not caplog.records
         placement.warn_if_gpus_short(5, kwargs, GPU_CLUSTER)
@@ -135,7 +135,7 @@ def test_unplaceable_layout_fails_at_once_naming_the_layout_and_the_offer():
 
 
 def test_unplaceable_layout_on_an_autoscaling_cluster_only_warns(caplog):
-    with caplog.at_level("WARNING", logger="pagedserve.cluster.placement"):
+    with caplog.at_level("WARNING", logger="pagedserve.cluster.executor.placement"):
         placement.check_placeable([_rank(1)] * 4, "PACK", "tp=2 x pp=2", "fix", nodes=[{"CPU": 2.0}], autoscales=True)
     assert "waiting for the autoscaler" in caplog.text
 

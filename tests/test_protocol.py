@@ -10,12 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from pagedserve.cluster.cli import build_parser, serve_args_from
-from pagedserve.cluster.metrics import ServingMetrics, token_buckets
+from pagedserve.cluster.serving.metrics import ServingMetrics, token_buckets
 from pagedserve.cluster.serving.errors import bad_request
 from pagedserve.cluster.serving.formatting import MIN_LOGPROB, chat_logprobs, completion_logprobs, sse
 from pagedserve.cluster.serving.requests import ChatCompletionRequest, CompletionRequest
 from pagedserve.cluster.serving.tokenization import TokenizeRequest
-from pagedserve.cluster.serving.settings import API_KEY_ENV, ServeArgs
+from pagedserve.cluster.settings import API_KEY_ENV, ServeArgs
 from pagedserve.engine.outputs import CompletionOutput, Logprob
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,7 +223,7 @@ def test_cli_flags_map_onto_serve_args(tiny_llama):
 
 
 def test_cli_scale_out_flags_build_the_serve_deployments(tiny_llama):
-    from pagedserve.cluster.serve_app import ROUTER_CLASS, build_app, engine_deployment_options
+    from pagedserve.cluster.serve.app import ROUTER_CLASS, build_app, engine_deployment_options
 
     ns = build_parser().parse_args([
         "serve", str(tiny_llama), "-dp", "2", "--min-replicas", "1", "--max-replicas", "3",
@@ -251,7 +251,7 @@ def test_cli_scale_out_flags_build_the_serve_deployments(tiny_llama):
 def test_router_class_imports_by_its_config_path():
     import importlib
 
-    from pagedserve.cluster.serve_app import ROUTER_CLASS
+    from pagedserve.cluster.serve.app import ROUTER_CLASS
     from ray.serve.request_router import RequestRouter
 
     module, _, name = ROUTER_CLASS.partition(":")
@@ -337,12 +337,12 @@ def test_serve_config_yaml_is_valid(tiny_llama):
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.cluster.serve.app import build_app
 
     config = yaml.safe_load((ROOT / "manifests" / "serve_config.yaml").read_text())
     schema = ServeDeploySchema.model_validate(config)
     app = schema.applications[0]
-    assert app.import_path == "pagedserve.cluster.serve_app:build_app" and app.route_prefix == "/"
+    assert app.import_path == "pagedserve.cluster.serve.app:build_app" and app.route_prefix == "/"
     args = ServeArgs.model_validate({**app.args, "model": str(tiny_llama)})  # the builder's validation
     assert args.model_name == "pagedserve-default"
     assert (args.max_n, args.max_logprobs, args.trust_request_chat_template) == (16, 20, False)
@@ -362,7 +362,7 @@ def test_cli_serve_end_to_end(tiny_llama, tmp_path):
 
     import httpx
 
-    from pagedserve.cluster.ray_utils import free_port
+    from pagedserve.cluster.executor.ray_utils import free_port
 
     port = free_port()
     env = {**os.environ, "RAY_ADDRESS": "local", "RAY_AUTH_MODE": "disabled"}

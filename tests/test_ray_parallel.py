@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from pagedserve.cluster.worker_group import WorkerGroupError  # noqa: E402
+from pagedserve.cluster.executor.worker_group import WorkerGroupError  # noqa: E402
 from pagedserve.engine import LLM  # noqa: E402
 from pagedserve.engine.models.loader import load_model  # noqa: E402
 from pagedserve.parallel.pipeline import layer_range  # noqa: E402
@@ -227,7 +227,7 @@ def test_raising_worker_fails_the_call_and_shuts_the_group_down(tiny_model_facto
 
 
 def test_ensure_ray_reuses_the_running_session():
-    from pagedserve.cluster.ray_utils import ensure_ray
+    from pagedserve.cluster.executor.ray_utils import ensure_ray
 
     job = ray.get_runtime_context().get_job_id()
     ensure_ray(num_cpus=1)
@@ -236,7 +236,7 @@ def test_ensure_ray_reuses_the_running_session():
 
 
 def test_bad_group_options_name_the_field(tiny_model_factory):
-    from pagedserve.cluster.worker_group import WorkerGroupOptions
+    from pagedserve.cluster.executor.worker_group import WorkerGroupOptions
     from pagedserve.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="num_cpus_per_worker"):
@@ -250,7 +250,7 @@ def test_bad_group_options_name_the_field(tiny_model_factory):
 
 
 def test_placement_group_that_cannot_be_placed_is_removed(tiny_model_factory):
-    from pagedserve.cluster.worker_group import WorkerGroup, WorkerGroupOptions
+    from pagedserve.cluster.executor.worker_group import WorkerGroup, WorkerGroupOptions
     from pagedserve.engine.config import EngineConfig
 
     config = EngineConfig(model=str(tiny_model_factory("llama")), tensor_parallel_size=2).resolve()

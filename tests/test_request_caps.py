@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
-from pagedserve.cluster.serving.settings import API_KEY_ENV, ServeArgs, exposure_warning, is_loopback_host
+from pagedserve.cluster.settings import API_KEY_ENV, ServeArgs, exposure_warning, is_loopback_host
 from pagedserve.engine.processor import load_tokenizer
 from pagedserve.engine.sampling_params import MAX_BAD_WORDS_TOKENS
 from tests.local_serving import LocalServer, ScriptedCoordinator
@@ -206,8 +206,8 @@ def test_serving_beyond_loopback_without_a_key_warns_at_start(tiny_llama, monkey
     warning = exposure_warning(ServeArgs(model=str(tiny_llama), host="0.0.0.0"))
     assert "0.0.0.0" in warning and "no API key" in warning and "--api-key-file" in warning
 
-    import pagedserve.cluster.ray_utils as ray_utils
-    from pagedserve.cluster.serve_app import start_server
+    import pagedserve.cluster.executor.ray_utils as ray_utils
+    from pagedserve.cluster.serve.app import start_server
 
     class Stop(Exception):
         pass

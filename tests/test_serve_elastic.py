@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 from tests.test_serve_scaleout import MODEL, PROMPTS, TIMEOUT, complete, wait_all_blocks_free
 
 APP = "elastic"
@@ -36,8 +36,8 @@ def server(tiny_model_factory):
     import ray
     from ray import serve
 
-    from pagedserve.cluster.ray_utils import free_port
-    from pagedserve.cluster.serve_app import server_url, start_server
+    from pagedserve.cluster.executor.ray_utils import free_port
+    from pagedserve.cluster.serve.app import server_url, start_server
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -111,7 +111,7 @@ def test_burst_scales_up_then_down_without_failures(http):
 def test_rolling_update_under_load_fails_nothing(server, http, tiny_model_factory):
     from ray import serve
 
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.cluster.serve.app import build_app
 
     args, _ = server
     load = Load(http, clients=3, max_tokens=40)
@@ -136,7 +136,7 @@ def test_scale_down_finishes_the_requests_a_removed_replica_holds(server, http, 
     removed stops taking requests and finishes what it holds (graceful shutdown), nothing fails."""
     from ray import serve
 
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.cluster.serve.app import build_app
 
     args, _ = server
     model = tiny_model_factory("llama", max_position_embeddings=2048)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pagedserve.cluster.routing_policy import prefix_hashes
-from pagedserve.cluster.serve_router import PrefixAffinityRouter, prompt_of, short_hash
+from pagedserve.cluster.serve.routing_policy import prefix_hashes
+from pagedserve.cluster.serve.router import PrefixAffinityRouter, prompt_of, short_hash
 
 BLOCK = 4
 
@@ -132,7 +132,7 @@ def test_bad_knobs_name_the_field():
 
 def test_load_counts_requests_once():
     """In-flight requests and the engine's running/waiting are the same requests: the larger counts."""
-    from pagedserve.cluster.routing_policy import engine_load
+    from pagedserve.cluster.serve.routing_policy import engine_load
 
     assert engine_load(3, {"num_running": 2, "num_waiting": 0}, 4.0) == 3
     assert engine_load(0, {"num_running": 1, "num_waiting": 2, "kv_cache_usage": 0.5}, 4.0) == 5

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 
 MODEL = "tiny"
 TIMEOUT = 120.0
@@ -77,8 +77,8 @@ def server(tiny_model_factory):
     import ray
     from ray import serve
 
-    from pagedserve.cluster.ray_utils import free_port
-    from pagedserve.cluster.serve_app import server_url, start_server
+    from pagedserve.cluster.executor.ray_utils import free_port
+    from pagedserve.cluster.serve.app import server_url, start_server
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -308,7 +308,7 @@ def test_tp_ranks_live_in_the_replicas_placement_group(server, hf, tiny_model_fa
     from ray import serve
     from ray.util.placement_group import placement_group_table
 
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.cluster.serve.app import build_app
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
     args = ServeArgs(model=str(model), dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK,

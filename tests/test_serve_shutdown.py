@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from pagedserve.cluster.ray_utils import free_port
+from pagedserve.cluster.executor.ray_utils import free_port
 from pagedserve.engine.models.default_model import BUNDLED_MODEL_DIR
 
 READY_TIMEOUT_S = 300

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 from tests.local_serving import LocalServer, ScriptedCoordinator
 
 TIMEOUT = 60.0

@@ -11,14 +11,14 @@ import re
 import time
 
 import pytest
-from pagedserve.cluster.cli import main
-from pagedserve.cluster.coordinator import DPCoordinator, EngineState
-from pagedserve.cluster.engine_actor import EngineActor
-from pagedserve.cluster.metrics import ServingMetrics
-from pagedserve.cluster.serve_client import ServeEngineClient
+from pagedserve.cli import main
+from pagedserve.cluster.serve.coordinator import DPCoordinator, EngineState
+from pagedserve.cluster.serve.engine_actor import EngineActor
+from pagedserve.cluster.serving.metrics import ServingMetrics
+from pagedserve.cluster.serve.client import ServeEngineClient
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.processor import load_tokenizer
 from pydantic import ValidationError
@@ -162,10 +162,10 @@ def test_coordinator_spec_counters_stay_monotonic_across_restarts():
     coordinator = DPCoordinator([object(), object()], block_size=4)
     first, second = coordinator.engines
     assert "spec_decoding" not in coordinator.aggregate_stats()
-    DPCoordinator._update_stats(first, {"incarnation": "a", "stats_time": 1.0, "spec_decoding": _spec(4, 12, [3, 2])})
-    DPCoordinator._update_stats(second, {"incarnation": "x", "stats_time": 1.0, "spec_decoding": _spec(1, 3, [1])})
+    coordinator._update_stats(first, {"incarnation": "a", "stats_time": 1.0, "spec_decoding": _spec(4, 12, [3, 2])})
+    coordinator._update_stats(second, {"incarnation": "x", "stats_time": 1.0, "spec_decoding": _spec(1, 3, [1])})
     # The first engine restarts: its new incarnation counts from zero, the old figures are kept.
-    DPCoordinator._update_stats(first, {"incarnation": "b", "stats_time": 0.5, "spec_decoding": _spec(1, 3, [1])})
+    coordinator._update_stats(first, {"incarnation": "b", "stats_time": 0.5, "spec_decoding": _spec(1, 3, [1])})
     spec = coordinator.aggregate_stats()["spec_decoding"]
     assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (6, 18, 7)
     assert spec["accepted_per_position"] == [5, 2]
@@ -186,7 +186,7 @@ def test_serve_client_sums_replicas_and_keeps_gone_ones(monkeypatch):
 
 
 def test_pd_pools_speculate_in_decode_only(model):
-    from pagedserve.cluster.pd.app import pool_specs
+    from pagedserve.cluster.serve.pd_app import pool_specs
 
     args = ServeArgs(model=model, num_prefill_engines=1, num_decode_engines=1, speculative_config=json.dumps(NGRAM))
     specs = pool_specs(args)
@@ -216,7 +216,7 @@ def test_bad_speculative_config_names_the_field(model, capsys):
 
 
 def test_code_edit_workload_repeats_its_source(model):
-    from pagedserve.cluster.bench.workload import code_edit
+    from pagedserve.bench.workload import code_edit
 
     tokenizer = load_tokenizer(model)
     sep = len(tokenizer("\n\n", add_special_tokens=False)["input_ids"])
@@ -240,7 +240,7 @@ def test_bench_latency_and_throughput_report_acceptance(model, tmp_path, capsys)
                  "--speculative-config", spec, "--no-roofline", "--output-json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "speculative decoding: acceptance rate" in printed and "repeat workload" in printed
-    from pagedserve.cluster.bench.report import validate_report
+    from pagedserve.bench.report import validate_report
 
     report = json.loads(out.read_text())
     validate_report(report)

@@ -50,7 +50,7 @@ def build_fastapi_app(serving: OpenAIServing, behind_serve_proxy: bool = False) 
     async def detokenize(request: DetokenizeRequest) -> dict:
         return (await tokenization.detokenize(serving, request)).model_dump()
 
-    # Probes and the scraper read what the coordinator's background poller holds: no RPC per call.
+    # Probes and the scraper read what the engine client last polled: no RPC per call.
     @app.get("/health")
     async def health() -> Response:
         return system.health(serving)

@@ -1,4 +1,4 @@
-"""`OpenAIServing`: what every endpoint shares (the coordinator, tokenizer, settings, metrics),
+"""`OpenAIServing`: what every endpoint shares (the engine client, tokenizer, settings, metrics),
 the checks on model, key, server limits, prompt length and token budget, tokenization and chat
 templates off the event loop, admission, and answering a request's engine streams as one JSON body
 or as SSE."""
@@ -16,12 +16,13 @@ from typing import Any, TypeVar
 import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.cluster.metrics import ServingMetrics
+from pagedserve.cluster.serving.metrics import ServingMetrics
+from pagedserve.cluster.engine_client import EngineClient
 from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.errors import APIError, bad_request, engine_error
 from pagedserve.cluster.serving.formatting import sse
 from pagedserve.cluster.serving.requests import SamplingRequest
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 from pagedserve.cluster.serving.streams import EncodedPrompt, RequestTimer, merge_streams, timed
 from pagedserve.engine.models.default_model import describe_model
 from pagedserve.engine.outputs import RequestOutput
@@ -34,15 +35,15 @@ T = TypeVar("T")
 class OpenAIServing:
     """Shared state and checks of the OpenAI endpoints over a `DPCoordinator` (or anything with its API)."""
 
-    def __init__(self, coordinator: Any, tokenizer: Any, args: ServeArgs, max_model_len: int) -> None:
-        self.coordinator = coordinator
+    def __init__(self, client: EngineClient, tokenizer: Any, args: ServeArgs, max_model_len: int) -> None:
+        self.client = client
         self.tokenizer = tokenizer
         self.args = args
         self.model_name = args.model_name
         self.model_description = describe_model(args.model)  # type: ignore[arg-type]
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
-        self.metrics = ServingMetrics(self.model_name, coordinator.aggregate_stats, max_model_len)
+        self.metrics = ServingMetrics(self.model_name, client.aggregate_stats, max_model_len)
         self.num_in_flight = 0
         self._limiter: anyio.CapacityLimiter | None = None
 
@@ -205,7 +206,7 @@ class OpenAIServing:
                  timers: list[RequestTimer], final_only: bool,
                  cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [
-            timed(self.coordinator.generate(f"{request_id}-{p.index}", p.token_ids, sp, priority,
+            timed(self.client.generate(f"{request_id}-{p.index}", p.token_ids, sp, priority,
                                             final_only=final_only, cache_salt=cache_salt), timer)
             for p, sp, timer in zip(prompts, params, timers)
         ]

@@ -22,11 +22,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagedserve.cluster.settings import MAX_PROMPTS
 from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.validation import (
     INT64_MAX,
     INT64_MIN,
-    MAX_PROMPTS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKEN_LIST,

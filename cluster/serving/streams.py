@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagedserve.cluster.metrics import ServingMetrics
+from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
 _END = object()

@@ -15,7 +15,7 @@ def list_models(serving: OpenAIServing) -> ModelList:
 
 
 def health(serving: OpenAIServing) -> Response:
-    if serving.coordinator.is_healthy():
+    if serving.client.is_healthy():
         return Response(status_code=200)
     return APIError(503, "an engine is unreachable or has stopped making progress with work waiting",
                     type="service_unavailable_error", code="unhealthy").response()

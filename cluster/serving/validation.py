@@ -18,9 +18,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_TOKEN_LIST = 1024
 MAX_USER_CHARS = 1024
-# Prompts in one completions body: a static ceiling, checked before any per-prompt work (the
-# server's own limit, `max_prompts_per_request`, is lower and checked before tokenization).
-MAX_PROMPTS = 4096
+# MAX_PROMPTS (cluster/settings.py): prompts in one completions body, a static ceiling checked before any
+# per-prompt work (the server's own limit, `max_prompts_per_request`, is lower and checked before tokenization).
 
 
 def _unset(value: Any) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -11,6 +12,7 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.device_limits import check_block_size, should_warm_up
 from pagedserve.engine.worker.model_runner import ModelRunner
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.kv_transfer.rank_read import read_layers
 from pagedserve.parallel.state import ParallelContext, destroy_distributed, init_distributed
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,11 @@ class Worker:
         """This rank's KV layout (as a dict) and its KV connector address (None unless it serves KV)."""
         hooks = self.model_runner.kv_hooks
         return self.model_runner.kv_layout().to_dict(), getattr(hooks, "address", None)
+
+    def kv_read(self, token: str, spec: Any, layers: list[int], auth: Any) -> list:
+        """A PD consumer reads this (producer) rank's KV (kv_transfer/rank_read.py), through the executor."""
+        return read_layers(self.model_runner.kv_hooks if self.model_runner is not None else None,
+                           token, spec, layers, auth)
 
     def set_fault_injector(self, fault_injector: Callable[[str, str], None] | None) -> None:
         """Test hook: see ModelRunner.fault_injector (None turns it off)."""

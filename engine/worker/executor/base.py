@@ -13,7 +13,7 @@ from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, Scheduler
 # backend name -> "module:Class"; the one place that knows where executors live.
 _EXECUTOR_BACKENDS = {
     "uni": "pagedserve.engine.worker.executor.uniproc:UniProcExecutor",
-    "ray": "pagedserve.cluster.ray_executor:RayExecutor",
+    "ray": "pagedserve.cluster.executor.ray_executor:RayExecutor",
 }
 
 

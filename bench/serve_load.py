@@ -21,12 +21,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.cluster.bench import common
-from pagedserve.cluster.bench import report as rep
-from pagedserve.cluster.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
-from pagedserve.cluster.bench.roofline import Machine, ModelFacts, step_roofline
-from pagedserve.cluster.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
-from pagedserve.cluster.bench.workload import BenchRequest, parse_range, synthetic
+from pagedserve.bench import common
+from pagedserve.bench import report as rep
+from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
+from pagedserve.bench.roofline import Machine, ModelFacts, step_roofline
+from pagedserve.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
+from pagedserve.bench.workload import BenchRequest, parse_range, synthetic
 
 
 def parse_rates(text: str) -> list[float]:
@@ -106,8 +106,8 @@ class LocalServer:
             # session that happens to run on this machine.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        from pagedserve.cluster.serve_app import server_url, start_server
-        from pagedserve.cluster.serving.settings import ServeArgs
+        from pagedserve.cluster.serve.app import server_url, start_server
+        from pagedserve.cluster.settings import ServeArgs
 
         args = ServeArgs(model=model, host="127.0.0.1", port=port, **settings)
         print(f"starting a server for {args.model} on 127.0.0.1:{port} ({settings}) ...", file=sys.stderr,
@@ -117,7 +117,7 @@ class LocalServer:
 
     def stop(self, everything: bool = True) -> None:
         """Delete the app (its engines stop); with `everything`, shut Serve down too."""
-        from pagedserve.cluster.serve_app import shutdown_server
+        from pagedserve.cluster.serve.app import shutdown_server
 
         shutdown_server(None if everything else self.app_name)
 
@@ -222,7 +222,7 @@ def run(ns: argparse.Namespace) -> int:
                 from pagedserve.engine.models.default_model import resolve_default_model
 
                 model = resolve_default_model()
-            from pagedserve.cluster.ray_utils import free_port
+            from pagedserve.cluster.executor.ray_utils import free_port
 
             server = LocalServer.start(model, ns.port or free_port(), server_settings(ns))
             ns.base_url = server.url
@@ -230,7 +230,7 @@ def run(ns: argparse.Namespace) -> int:
         check_fits(info, ns)
         facts = None
         if figures is not None and model is not None:
-            from pagedserve.cluster.bench.roofline import model_facts
+            from pagedserve.bench.roofline import model_facts
 
             facts = model_facts(model, ns.dtype)
         workload = synthetic(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, info.token_ids)
@@ -253,7 +253,7 @@ def run(ns: argparse.Namespace) -> int:
         parts.append("(roofline: give MODEL, the served model's path, to see it)")
     parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]
     if ns.plot:
-        from pagedserve.cluster.bench.plots import plot_latency_vs_load
+        from pagedserve.bench.plots import plot_latency_vs_load
 
         plot_latency_vs_load(runs, ns.plot)
         parts.append(f"wrote {ns.plot}")

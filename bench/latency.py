@@ -14,10 +14,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedserve.cluster.bench import common
-from pagedserve.cluster.bench import report as rep
-from pagedserve.cluster.bench.roofline import model_facts, step_roofline
-from pagedserve.cluster.bench.workload import code_edit, synthetic, vocab_token_ids
+from pagedserve.bench import common
+from pagedserve.bench import report as rep
+from pagedserve.bench.roofline import model_facts, step_roofline
+from pagedserve.bench.workload import code_edit, synthetic, vocab_token_ids
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -3,7 +3,7 @@
 Selected in the Serve config of the engine deployment:
 
     request_router_config:
-      request_router_class: pagedserve.cluster.serve_router:PrefixAffinityRouter
+      request_router_class: pagedserve.cluster.serve.router:PrefixAffinityRouter
       request_router_kwargs: {affinity_blocks: 4, imbalance_factor: 2.0, kv_weight: 4.0}
       request_routing_stats_period_s: 1
 
@@ -28,8 +28,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedserve.cluster.router_registry import register
-from pagedserve.cluster.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.cluster.serve.router_registry import register
+from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
 
 logger = logging.getLogger(__name__)
 

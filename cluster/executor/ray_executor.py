@@ -14,9 +14,9 @@ from typing import Any
 
 import ray
 
-from pagedserve.cluster.placement import uses_gpu
-from pagedserve.cluster.ray_utils import ensure_ray
-from pagedserve.cluster.worker_group import WorkerGroup, WorkerGroupOptions
+from pagedserve.cluster.executor.placement import uses_gpu
+from pagedserve.cluster.executor.ray_utils import ensure_ray
+from pagedserve.cluster.executor.worker_group import WorkerGroup, WorkerGroupOptions
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.executor.base import Executor
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput

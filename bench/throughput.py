@@ -17,10 +17,10 @@ import random
 import time
 from typing import Any
 
-from pagedserve.cluster.bench import common
-from pagedserve.cluster.bench import report as rep
-from pagedserve.cluster.bench.roofline import model_facts, run_roofline
-from pagedserve.cluster.bench.workload import (
+from pagedserve.bench import common
+from pagedserve.bench import report as rep
+from pagedserve.bench.roofline import model_facts, run_roofline
+from pagedserve.bench.workload import (
     BenchRequest, code_edit, load_dataset, parse_range, synthetic, totals, vocab_token_ids,
 )
 
@@ -95,7 +95,7 @@ def host_overhead_batch_sizes(value: str) -> list[int]:
 def decode_host_overhead(llm: Any, batch_sizes: list[int], seed: int) -> dict[str, dict[str, float] | None]:
     """The host's share of a decode step at each batch size: a batch of 32-token prompts is prefilled, then
     its 16 decode steps are timed (the engine's own step and model clocks)."""
-    from pagedserve.cluster.bench.latency import decode_host_overhead as measure
+    from pagedserve.bench.latency import decode_host_overhead as measure
     from pagedserve.engine.sampling_params import SamplingParams
 
     ids = vocab_token_ids(llm.get_tokenizer(), llm.llm_engine.config.hf_config.vocab_size)
@@ -123,7 +123,7 @@ def check_args(ns: argparse.Namespace) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     check_args(ns)
-    from pagedserve.cluster.bench.hf_baseline import hf_baseline, parse_batch_sizes
+    from pagedserve.bench.hf_baseline import hf_baseline, parse_batch_sizes
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.models.loader import resolve_dtype
     from pagedserve.engine.sampling_params import SamplingParams

@@ -19,13 +19,14 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from pagedserve.cluster.serving.validation import MAX_PROMPTS
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.models.default_model import DEFAULT_MODEL_NAME, is_default_model, resolve_default_model
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
-# Prompts in one /v1/completions body (each becomes n engine requests); MAX_PROMPTS bounds the setting.
+# Prompts in one /v1/completions body: a static ceiling the validation checks before any per-prompt work,
+# and the bound of the setting below (each prompt becomes n engine requests).
+MAX_PROMPTS = 4096
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
 
 
@@ -96,7 +97,7 @@ class ServeArgs(EngineConfig):
 
     @model_validator(mode="after")
     def _check_pd(self) -> "ServeArgs":
-        from pagedserve.cluster.pd.config import check_pd_args
+        from pagedserve.cluster.pd_settings import check_pd_args
 
         check_pd_args(self)
         return self

@@ -18,19 +18,14 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS
-from pagedserve.cluster.routing_policy import DECISIONS
-from pagedserve.cluster.router_registry import routers_for
-from pagedserve.cluster.spec_stats import sum_spec
-from pagedserve.cluster.stream_transport import PromptRestorer
+from pagedserve.cluster.fleet_stats import COUNTER_KEYS, FleetCounters, fleet_gauges
+from pagedserve.cluster.serve.router_registry import routers_for
+from pagedserve.cluster.serve.routing_policy import DECISIONS
+from pagedserve.cluster.serve.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-# Figures of replicas that went away, kept for monotonic counters (bounded: oldest forgotten first).
-MAX_REMEMBERED_REPLICAS = 1024
-
 
 @contextlib.contextmanager
 def _own_internal_request_id() -> Iterator[None]:
@@ -66,8 +61,8 @@ class ServeEngineClient:
         self.stream_handle = handle.options(stream=True)
         self.app_name = app_name
         self.deployment_name = deployment_name
-        self._counters: dict[str, dict[str, int]] = {}  # replica -> its latest cumulative counters
-        self._spec: dict[str, dict] = {}  # replica -> its latest speculative-decoding counters (when it speculates)
+        # Every replica ever seen (a replica that went away keeps what it counted): monotonic counters.
+        self.counters = FleetCounters(COUNTER_KEYS)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
                        priority: int = 0, final_only: bool = False,
@@ -132,22 +127,13 @@ class ServeEngineClient:
         snap = self.routing_snapshot()
         reporting = [r for r in snap["replicas"] if "num_total_blocks" in r]
         for replica in reporting:
-            self._counters[replica["replica"]] = {key: int(replica.get(key, 0)) for key in COUNTER_KEYS}
-            self._counters[replica["replica"]] = self._counters.pop(replica["replica"])  # newest last
-            if replica.get("spec_decoding"):
-                self._spec[replica["replica"]] = dict(replica["spec_decoding"])
-        while len(self._counters) > MAX_REMEMBERED_REPLICAS:
-            oldest = next(iter(self._counters))
-            del self._counters[oldest]
-            self._spec.pop(oldest, None)
-        out: dict[str, Any] = {key: sum(c[key] for c in self._counters.values()) for key in COUNTER_KEYS}
-        out.update({key: sum(int(r.get(key, 0)) for r in reporting) for key in GAUGE_KEYS})
-        usages = [float(r.get("kv_cache_usage", 0.0)) for r in reporting]
-        out["kv_cache_usage"] = sum(usages) / len(usages) if usages else 0.0
+            self.counters.observe(replica["replica"], {key: int(replica.get(key, 0)) for key in COUNTER_KEYS},
+                                  replica.get("incarnation"), replica.get("spec_decoding"))
+        out: dict[str, Any] = {**self.counters.totals(), **fleet_gauges(reporting)}
         out["num_engines"] = len(snap["replicas"])
         out["num_healthy_engines"] = sum(bool(r.get("healthy", True)) for r in snap["replicas"])
         out["num_in_flight"] = sum(r["in_flight"] for r in snap["replicas"])
-        spec = sum_spec(self._spec.values())
+        spec = self.counters.spec()
         if spec is not None:
             out["spec_decoding"] = spec
         out["routing_decisions"] = snap["decisions"]

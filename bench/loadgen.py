@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
-from pagedserve.cluster.bench.slo import RequestLatency
-from pagedserve.cluster.bench.workload import BenchRequest
+from pagedserve.bench.slo import RequestLatency
+from pagedserve.bench.workload import BenchRequest
 
 SEED_TEXT = (
     "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in fixed-size "

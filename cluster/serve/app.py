@@ -3,12 +3,12 @@
 - `<app>-engine` (`PagedServeEngine`): one replica = one headless engine. `num_replicas` is the
   data-parallel size, or `autoscaling_config` (min/max replicas, target ongoing requests, delays)
   makes it elastic. With TP/PP > 1 its placement group bundles hold the ranks. Requests reach it
-  through the `serve_router.PrefixAffinityRouter` (request_router_config).
-- `<app>-ingress` (`PagedServeIngress`): stateless; HTTP, auth, validation, tokenization, chat
-  templates, SSE. It reaches the engines through a DeploymentHandle (`serve_client`); any replica
-  serves any request.
+  through the `router.PrefixAffinityRouter` (request_router_config).
+- `<app>-ingress` (`ingress.PagedServeIngress`): stateless; HTTP, auth, validation, tokenization,
+  chat templates, SSE. It reaches the engines through a DeploymentHandle (`client.ServeEngineClient`,
+  built by `ingress.connect_engines`); any replica serves any request.
 
-`build_app(args)` is the app builder for `serve run pagedserve.cluster.serve_app:build_app ...` and
+`build_app(args)` is the app builder for `serve run pagedserve.cluster.serve.app:build_app ...` and
 Serve config files (`manifests/serve_config.yaml`); `start_server` / `shutdown_server` run it
 programmatically (the CLI, tests, the benchmark), so both run the same app; `stop_server` is the
 CLI's quiet stop.
@@ -19,72 +19,25 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import FastAPI
 from ray import serve
 
-from pagedserve.cluster.engine_deployment import PagedServeEngine
+from pagedserve.cluster.serve.engine_deployment import PagedServeEngine
+from pagedserve.cluster.serve.ingress import PagedServeIngress, connect_engines
 from pagedserve.cluster.serving.app import build_fastapi_app
-from pagedserve.cluster.serving.core import OpenAIServing
-from pagedserve.cluster.serving.settings import ServeArgs
+from pagedserve.cluster.settings import ServeArgs
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PagedServeEngine", "PagedServeIngress", "ROUTER_CLASS", "build_app", "build_fastapi_app",
            "engine_deployment_options", "server_url", "shutdown_server", "start_server", "stop_server"]
 
-ROUTER_CLASS = "pagedserve.cluster.serve_router:PrefixAffinityRouter"
-# Admission is ours (max_pending_requests -> 503 in the ingress, EngineOverloadedError in the engine).
-INGRESS_MAX_ONGOING = 100_000
-
-
-@serve.deployment(
-    name="PagedServeIngress",
-    num_replicas=1,
-    max_ongoing_requests=INGRESS_MAX_ONGOING,
-    ray_actor_options={"num_cpus": 0},
-    health_check_period_s=10,
-    health_check_timeout_s=60,
-    graceful_shutdown_timeout_s=30,
-)
-@serve.ingress()
-class PagedServeIngress:
-    """One ingress replica: the HTTP app over a handle to the engine deployment."""
-
-    async def __init__(self, args: dict, engine: Any) -> None:
-        from pagedserve.cluster.serve_client import ServeEngineClient
-        from pagedserve.engine.processor import load_tokenizer
-
-        self.args = ServeArgs.model_validate(args)
-        self.engine = engine
-        self.client = ServeEngineClient(engine, engine.app_name, engine.deployment_name)
-        self.engine_info: dict = await engine.ready.remote()  # also starts this handle's router
-        tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
-        self.serving = OpenAIServing(self.client, tokenizer, self.args, self.engine_info["max_model_len"])
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        app = build_fastapi_app(self.serving, behind_serve_proxy=True)
-        replica = serve.get_replica_context().replica_id.unique_id
-
-        @app.middleware("http")
-        async def served_by(request, call_next):  # which ingress replica answered (load balancer debugging)
-            response = await call_next(request)
-            response.headers["x-pagedserve-ingress"] = replica
-            return response
-
-        return app
-
-    async def get_engine_info(self) -> list[dict]:
-        """The `ready()` answer of one engine replica (they all run the same settings)."""
-        return [{**self.engine_info, "engine_index": self.engine_info.get("replica", 0)}]
-
-    async def get_stats(self) -> dict:
-        return self.client.aggregate_stats()
+ROUTER_CLASS = "pagedserve.cluster.serve.router:PrefixAffinityRouter"
 
 
 def engine_deployment_options(args: ServeArgs, cluster_resources: dict[str, float] | None = None) -> dict[str, Any]:
     """Serve options of the engine deployment: replicas or autoscaling, resources / placement group
     bundles, the request router, health checks and the graceful-shutdown window."""
-    from pagedserve.cluster.placement import plan_engine_placement
+    from pagedserve.cluster.executor.placement import plan_engine_placement
 
     engine_kwargs = args.engine_kwargs()
     placement = plan_engine_placement(engine_kwargs, cluster_resources or {})
@@ -131,7 +84,7 @@ def engine_deployment_options(args: ServeArgs, cluster_resources: dict[str, floa
 def check_engine_placeable(args: ServeArgs, options: dict[str, Any]) -> None:
     """Raise ValueError (before any replica starts) when no node or set of nodes can ever hold one engine
     replica: its placement-group bundles (TP/PP > 1) or its actor's resources."""
-    from pagedserve.cluster.placement import check_placeable
+    from pagedserve.cluster.executor.placement import check_placeable
 
     if "placement_group_bundles" in options:
         bundles, strategy = options["placement_group_bundles"], options["placement_group_strategy"]
@@ -155,14 +108,14 @@ def _cluster_resources() -> dict[str, float]:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Serve app builder: `serve run pagedserve.cluster.serve_app:build_app model=/path/to/model block_size=16`.
+    """Serve app builder: `serve run pagedserve.cluster.serve.app:build_app model=/path/to/model block_size=16`.
 
     `args` are `ServeArgs` fields (validated here, so a bad value fails before anything starts)."""
-    from pagedserve.cluster.placement import pinned_engine_kwargs, plan_engine_placement
+    from pagedserve.cluster.executor.placement import pinned_engine_kwargs, plan_engine_placement
 
     validated = ServeArgs.model_validate(args)
     if validated.disaggregated:  # a prefill pool and a decode pool behind a PD ingress (cluster/pd/)
-        from pagedserve.cluster.pd.app import build_pd_app
+        from pagedserve.cluster.serve.pd_app import build_pd_app
 
         return build_pd_app(validated)
     resources = _cluster_resources()
@@ -175,7 +128,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         engine_kwargs, validated.max_pending_requests)
     ingress_args = validated.to_dict()
     return PagedServeIngress.options(name=f"{validated.app_name}-ingress",
-                                     num_replicas=validated.num_ingress_replicas).bind(ingress_args, engine)
+                                     num_replicas=validated.num_ingress_replicas).bind(ingress_args, connect_engines, engine)
 
 
 def start_server(args: ServeArgs) -> Any:
@@ -184,8 +137,8 @@ def start_server(args: ServeArgs) -> Any:
     Returns the ingress deployment handle (`.get_engine_info.remote().result()`)."""
     import os
 
-    from pagedserve.cluster.ray_utils import ensure_ray
-    from pagedserve.cluster.serving.settings import exposure_warning
+    from pagedserve.cluster.executor.ray_utils import ensure_ray
+    from pagedserve.cluster.settings import exposure_warning
 
     warning = exposure_warning(args)
     if warning is not None:

@@ -30,28 +30,20 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from pagedserve.cluster.abort_batcher import AbortBatcher
-from pagedserve.cluster.stream_transport import PromptRestorer
+from pagedserve.cluster.serve.abort_batcher import AbortBatcher
+from pagedserve.cluster.serve.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
-from pagedserve.cluster.routing_policy import RoutingParams, RoutingPolicy, engine_load
-from pagedserve.cluster.spec_stats import sum_spec
+from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.cluster.fleet_stats import COUNTER_KEYS, FleetCounters, fleet_gauges
 from pagedserve.engine.core.block_pool import BlockHash
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-# Cumulative engine counters (summed, and kept monotonic across actor restarts).
-COUNTER_KEYS = (
-    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens",
-)
-# Instantaneous engine gauges (summed over reachable engines).
-GAUGE_KEYS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks")
-
 
 @dataclass
 class EngineState:
@@ -63,11 +55,6 @@ class EngineState:
     in_flight: int = 0  # requests routed here by this coordinator and not finished
     num_routed: int = 0  # total requests routed here
     stats: dict | None = None  # latest get_stats() answer (None before the first poll)
-    counter_base: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_KEYS, 0))
-    last_counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_KEYS, 0))
-    # Speculative-decoding counters (SchedulerStats.spec_decoding): earlier incarnations' and the latest.
-    spec_base: dict | None = None
-    spec_last: dict | None = None
 
     @property
     def healthy(self) -> bool:
@@ -115,6 +102,7 @@ class DPCoordinator:
         self._poller: asyncio.Task | None = None
         self._aborts = AbortBatcher(self._send_aborts)
         self._last_poll_time: float | None = None  # time.monotonic() of the last completed poll round
+        self.counters = FleetCounters(COUNTER_KEYS)  # cumulative figures, monotonic across actor restarts
 
     # ------------------------------------------------------------------ routing (policy: routing_policy)
 
@@ -280,35 +268,26 @@ class DPCoordinator:
         self._update_stats(state, stats)
         return {**stats, "reachable": True}
 
-    @staticmethod
-    def _update_stats(state: EngineState, stats: dict) -> None:
-        """Keep the newest answer; a new incarnation (restarted actor) counts from zero on top of the old totals."""
+    def _update_stats(self, state: EngineState, stats: dict) -> None:
+        """Keep the newest answer; a new incarnation (restarted actor) counts from zero on top of the old
+        totals (`FleetCounters`)."""
         previous = state.stats
         restarted = previous is not None and stats.get("incarnation") != previous.get("incarnation")
         if previous is not None and not restarted and stats.get("stats_time", 0.0) < previous.get("stats_time", 0.0):
             return  # an older answer that arrived late (concurrent polls)
-        for key in COUNTER_KEYS:
-            if restarted:
-                state.counter_base[key] += state.last_counters[key]
-            state.last_counters[key] = int(stats.get(key, 0))
-        if restarted and state.spec_last:
-            state.spec_base = sum_spec([state.spec_base, state.spec_last])
-        state.spec_last = stats.get("spec_decoding") or None
+        self.counters.observe(state.index, {key: int(stats.get(key, 0)) for key in COUNTER_KEYS},
+                              stats.get("incarnation"), stats.get("spec_decoding"))
         state.stats = stats
 
     def aggregate_stats(self) -> dict:
         """Summed counters and gauges over engines, mean KV usage, and a per-engine list."""
         reachable = [e for e in self.engines if e.available and e.stats is not None]
-        out: dict[str, Any] = {key: sum(e.counter_base[key] + e.last_counters[key] for e in self.engines)
-                               for key in COUNTER_KEYS}
-        out.update({key: sum(int(e.stats.get(key, 0)) for e in reachable) for key in GAUGE_KEYS})
-        usages = [float(e.stats.get("kv_cache_usage", 0.0)) for e in reachable]
-        out["kv_cache_usage"] = sum(usages) / len(usages) if usages else 0.0
+        out: dict[str, Any] = {**self.counters.totals(), **fleet_gauges(e.stats for e in reachable)}
         out["num_engines"] = len(self.engines)
         out["num_healthy_engines"] = sum(e.healthy for e in self.engines)
         out["num_in_flight"] = sum(e.in_flight for e in self.engines)
         out["num_requests_routed"] = [e.num_routed for e in self.engines]
-        spec = sum_spec(part for e in self.engines for part in (e.spec_base, e.spec_last))
+        spec = self.counters.spec()
         if spec is not None:
             out["spec_decoding"] = spec
         out["engines"] = [

@@ -36,8 +36,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.cluster.coordinator import COUNTER_KEYS, GAUGE_KEYS, DPCoordinator
-from pagedserve.cluster.spec_stats import sum_spec
+from pagedserve.cluster.serve.coordinator import DPCoordinator
+from pagedserve.cluster.fleet_stats import COUNTER_KEYS, GAUGE_KEYS, FleetCounters, sum_spec
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.engine.outputs import RequestOutput
@@ -106,8 +106,8 @@ class PDClient:
         self.decode = DPCoordinator(decode_engines, decode_block_size, **coordinator_kwargs)
         self._producers = dict(zip(prefill_names, prefill_engines))
         self.counters = PDCounters()
-        # engine label -> (counters of its earlier incarnations, its latest figures, its incarnation)
-        self._kv_seen: dict[str, tuple[dict, dict, Any]] = {}
+        # The engines' KV-transfer figures, per engine label: counters monotonic across engine restarts.
+        self.kv_counters = FleetCounters(gauges=KV_GAUGES)
 
     def start(self) -> None:
         self.prefill.start()
@@ -241,19 +241,9 @@ class PDClient:
     def _kv_totals(self, engines: list[dict]) -> dict[str, float]:
         """The engines' KV-transfer figures summed; counters stay monotonic across engine restarts (a new
         incarnation's counts go on top of what the engine had counted before), gauges are the current ones."""
-        totals: dict[str, float] = {}
         for engine in engines:
-            figures = engine.get("kv_transfer") or {}
-            key, incarnation = engine["engine_index"], engine.get("incarnation")
-            base, last, seen = self._kv_seen.get(key, ({}, {}, incarnation))
-            if incarnation != seen:
-                base, last = {k: base.get(k, 0) + v for k, v in last.items() if k not in KV_GAUGES}, {}
-            if figures:
-                last = dict(figures)
-            self._kv_seen[key] = (base, last, incarnation)
-            for name, value in last.items():
-                totals[name] = totals.get(name, 0) + value + (0 if name in KV_GAUGES else base.get(name, 0))
-        return totals
+            self.kv_counters.observe(engine["engine_index"], engine.get("kv_transfer"), engine.get("incarnation"))
+        return self.kv_counters.totals()
 
     def latest_stats(self) -> dict[str, Any]:
         self.prefill.latest_stats()  # starts polling if it has not begun

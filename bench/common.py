@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pagedserve.cluster.bench import report as rep
-from pagedserve.cluster.bench.roofline import Machine, machine_figures
+from pagedserve.bench import report as rep
+from pagedserve.bench.roofline import Machine, machine_figures
 
 
 def add_model_args(parser: argparse.ArgumentParser, random_weights: bool = True) -> None:
@@ -75,7 +75,7 @@ def model_path(ns: argparse.Namespace) -> Iterator[str]:
     if size is not None:
         if ns.model is not None:
             raise ValueError("give MODEL or --random-weights, not both")
-        from pagedserve.cluster.bench.random_model import make_random_model
+        from pagedserve.bench.random_model import make_random_model
 
         with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
             dtype = "float32" if ns.dtype == "float32" else "bfloat16"

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedserve.cluster.bench.workload import BenchRequest
+from pagedserve.bench.workload import BenchRequest
 
 
 def load_hf_model(path: str, dtype: Any):

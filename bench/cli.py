@@ -13,7 +13,7 @@ BENCH_COMMANDS = ("bench", "tune")
 
 
 def add_bench_commands(subparsers: argparse._SubParsersAction) -> None:
-    from pagedserve.cluster.bench import latency, readme, serve_load, throughput, tune
+    from pagedserve.bench import latency, readme, serve_load, throughput, tune
 
     bench = subparsers.add_parser("bench", help="benchmark latency, offline throughput or a server under load",
                                   description="Benchmarks with a readable table, --output-json (one schema for "

@@ -25,13 +25,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.cluster.placement import (
+from pagedserve.cluster.executor.placement import (
     check_placeable,
     current_node_cpus,
     kv_share_of_node,
     restrict_to_assigned_gpus,
 )
-from pagedserve.cluster.ray_utils import free_port, node_ip, tcp_init_method
+from pagedserve.cluster.executor.ray_utils import free_port, node_ip, tcp_init_method
 from pagedserve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -134,11 +134,9 @@ class WorkerActor:
 
     @ray.method(concurrency_group="kv_transfer")
     def kv_read(self, token: str, spec: Any, layers: list[int], auth: Any) -> list:
-        """A PD consumer reads this (producer) rank's KV: `cluster.pd.rank_server`. Its own concurrency
-        group, so reads never wait behind (or reorder) the steps of the default group."""
-        from pagedserve.cluster.pd.rank_server import read_layers
-
-        return read_layers(self.worker, token, spec, layers, auth)
+        """A PD consumer reads this (producer) rank's KV: `Worker.kv_read`. Its own concurrency group, so
+        reads never wait behind (or reorder) the steps of the default group."""
+        return self.worker.kv_read(token, spec, layers, auth)
 
 
 RayWorkerActor = ray.remote(concurrency_groups={"kv_transfer": 2})(WorkerActor)
@@ -186,7 +184,7 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig, options: WorkerGroupOptions | None = None) -> None:
         if not ray.is_initialized():
-            raise RuntimeError("WorkerGroup: Ray is not initialized; call cluster.ray_utils.ensure_ray() first")
+            raise RuntimeError("WorkerGroup: Ray is not initialized; call cluster.executor.ray_utils.ensure_ray() first")
         self.config = config
         self.options = options or WorkerGroupOptions()
         self.world_size = config.world_size

@@ -1,8 +1,8 @@
 """Prometheus metrics of one serving app, with vLLM-style names prefixed `pagedserve:`.
 
 Latency and size histograms are observed by the HTTP layer per request. Gauges and
-cumulative counters come from the engines' own stats (the coordinator's
-`aggregate_stats()`), read by a custom collector at scrape time, so they are exact
+cumulative counters come from the engines' own stats (the engine client's
+`aggregate_stats()`, cluster/engine_client.py), read by a custom collector at scrape time, so they are exact
 and never drift. Every app gets its own `CollectorRegistry`: two apps in one process
 must not clash in the global one.
 """

@@ -20,16 +20,16 @@ from typing import Any
 
 import yaml
 
-from pagedserve.cluster.bench import common
-from pagedserve.cluster.bench import report as rep
-from pagedserve.cluster.bench.loadgen import server_info
-from pagedserve.cluster.bench.serve_load import (
+from pagedserve.bench import common
+from pagedserve.bench import report as rep
+from pagedserve.bench.loadgen import server_info
+from pagedserve.bench.serve_load import (
     LocalServer, add_load_args, check_fits, check_load_args, runs_table, server_settings, sweep,
 )
-from pagedserve.cluster.bench.slo import parse_slo
-from pagedserve.cluster.bench.workload import synthetic
+from pagedserve.bench.slo import parse_slo
+from pagedserve.bench.workload import synthetic
 
-IMPORT_PATH = "pagedserve.cluster.serve_app:build_app"
+IMPORT_PATH = "pagedserve.cluster.serve.app:build_app"
 GRID_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size")
 
 
@@ -98,7 +98,7 @@ def validate_serve_config(config: dict[str, Any]) -> None:
     """Serve's own schema, then the app builder on every application's args (a bad value raises)."""
     from ray.serve.schema import ServeDeploySchema
 
-    from pagedserve.cluster import serve_app
+    from pagedserve.cluster.serve import app as serve_app
 
     ServeDeploySchema.model_validate(config)
     for app in config["applications"]:
@@ -118,8 +118,8 @@ def run(ns: argparse.Namespace) -> int:
         from pagedserve.engine.models.default_model import resolve_default_model
 
         model = resolve_default_model()
-    from pagedserve.cluster.bench.roofline import model_facts
-    from pagedserve.cluster.ray_utils import free_port
+    from pagedserve.bench.roofline import model_facts
+    from pagedserve.cluster.executor.ray_utils import free_port
 
     facts = model_facts(model, ns.dtype) if figures is not None else None
     port = ns.port or free_port()
@@ -131,7 +131,7 @@ def run(ns: argparse.Namespace) -> int:
     try:
         for point in grid(ns):
             try:
-                from pagedserve.cluster.serving.settings import ServeArgs
+                from pagedserve.cluster.settings import ServeArgs
 
                 ServeArgs(model=model, **base, **point).resolve()
             except ValueError as exc:
@@ -181,7 +181,7 @@ def run(ns: argparse.Namespace) -> int:
             parts.append(f"wrote {ns.output_config}")
     parts += [rep.machine_line(figures.to_dict() if figures else None), rep.roofline_table(runs)]
     if ns.plot:
-        from pagedserve.cluster.bench.plots import plot_tune
+        from pagedserve.bench.plots import plot_tune
 
         points = [{"label": ",".join(str(r["params"][k]) for k in GRID_KEYS if k in r["params"])
                    + f"@{r['params']['request_rate']}",

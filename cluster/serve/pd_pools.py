@@ -1,4 +1,4 @@
-"""Prefill and decode pools: groups of headless engine actors (`cluster/engine_actor.py`) with a KV
+"""Prefill and decode pools: groups of headless engine actors (`cluster/serve/engine_actor.py`) with a KV
 connector, placed by Ray.
 
 Every engine of a pool is a named, restartable engine actor whose engine runs the pool's KV role:
@@ -7,7 +7,7 @@ transport's `ray_actor_name` are the actor's own name, so a consumer can find th
 addresses in a request's kv_transfer_params. `resources` (custom Ray resources, e.g. one that only
 prefill nodes offer) pin a pool to a node type; an engine with TP/PP > 1 gets one placement group
 (bundle 0 for the engine actor, one bundle per rank, each carrying those resources), which
-`cluster/ray_executor.py` then fills with the ranks.
+`cluster/executor/ray_executor.py` then fills with the ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pydantic import SecretStr
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.cluster.engine_actor import EngineActor, engine_actor_options
+from pagedserve.cluster.serve.engine_actor import EngineActor, engine_actor_options
 from pagedserve.engine.config import EngineConfig
 from pagedserve.kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
 

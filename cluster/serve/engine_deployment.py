@@ -21,10 +21,11 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedserve.cluster.engine_actor import EngineActor
-from pagedserve.cluster.placement import with_engine_kv_share
-from pagedserve.cluster.routing_policy import prefix_hashes
-from pagedserve.cluster.serve_router import short_hash
+from pagedserve.cluster.fleet_stats import ENGINE_FIGURES
+from pagedserve.cluster.serve.engine_actor import EngineActor
+from pagedserve.cluster.executor.placement import with_engine_kv_share
+from pagedserve.cluster.serve.routing_policy import prefix_hashes
+from pagedserve.cluster.serve.router import short_hash
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -34,11 +35,7 @@ REPORTED_PREFIX_BLOCKS = 8
 # Most prefix hashes a replica remembers and reports (newest first out of the LRU, oldest dropped).
 MAX_REPORTED_PREFIXES = 4096
 
-ROUTING_STATS_KEYS = (
-    "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "num_preemptions",
-    "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens", "healthy",
-    "num_unfinished", "incarnation", "spec_decoding",
-)
+ROUTING_STATS_KEYS = (*ENGINE_FIGURES, "healthy", "num_unfinished", "incarnation", "spec_decoding")
 
 
 def _node_id() -> str:
@@ -72,14 +69,12 @@ class PagedServeEngine:
                                  stall_timeout_s=stall_timeout_s)
         self.block_size = self.actor.engine.config.block_size
         self._prefixes: OrderedDict[str, None] = OrderedDict()
-        logger.info("engine replica %s ready: %d KV blocks", self.replica, self.actor.engine.engine.engine_core.num_blocks)
+        logger.info("engine replica %s ready: %d KV blocks", self.replica, self.actor.num_kv_blocks)
 
     async def ready(self) -> dict:
         """The engine's settings, this replica, and the Ray nodes it and its TP/PP ranks run on."""
-        group = getattr(self.actor.engine.engine.engine_core.executor, "group", None)
-        rank_nodes = [rank.node_id for rank in group.ranks] if group is not None else [self.node_id]
         return {**(await self.actor.ready()), "replica": self.replica, "node_id": self.node_id,
-                "rank_node_ids": rank_nodes}
+                "rank_node_ids": self.actor.rank_node_ids()}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
                        priority: int = 0, final_only: bool = False,

@@ -44,14 +44,15 @@ import ray
 from ray.exceptions import ActorUnavailableError
 from pydantic import ValidationError
 
-from pagedserve.cluster.placement import (
+from pagedserve.cluster.fleet_stats import ENGINE_FIGURES
+from pagedserve.cluster.executor.placement import (
     pinned_engine_kwargs,
     plan_engine_placement,
     restrict_to_assigned_gpus,
     warn_if_gpus_short,
 )
-from pagedserve.cluster.ray_utils import ensure_ray
-from pagedserve.cluster.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
+from pagedserve.cluster.executor.ray_utils import ensure_ray
+from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.output_processor import OutputKind
@@ -60,11 +61,6 @@ from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Stats keys copied from the engine's SchedulerStats.
-_SCHEDULER_KEYS = (
-    "num_running", "num_waiting", "kv_cache_usage", "num_preemptions", "prefix_cache_queries",
-    "prefix_cache_hits", "num_free_blocks", "num_total_blocks", "num_prompt_tokens", "num_generation_tokens",
-)
 
 
 def _plain_value_error(exc: ValueError) -> ValueError:
@@ -121,6 +117,22 @@ class EngineActor:
         self._watchdog = threading.Thread(target=self._watch_engine, name="engine-watchdog", daemon=True)
         self._watchdog.start()
 
+    # ------------------------------------------------------------------ the engine's parts, in one place
+
+    @property
+    def executor(self) -> Any:
+        """This engine's executor: a worker group (one Ray actor per rank) or one worker in this process."""
+        return self.engine.engine.engine_core.executor
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.engine.engine_core.num_blocks
+
+    def rank_node_ids(self) -> list[str | None]:
+        """The Ray node of each of this engine's ranks (this actor's own for an in-process worker)."""
+        group = getattr(self.executor, "group", None)
+        return [rank.node_id for rank in group.ranks] if group is not None else [_node_id()]
+
     # ------------------------------------------------------------------ remote API
 
     async def ready(self) -> dict:
@@ -133,7 +145,7 @@ class EngineActor:
             restarted = False
         return {
             "engine_index": self.engine_index,
-            "num_kv_blocks": self.engine.engine.engine_core.num_blocks,
+            "num_kv_blocks": self.num_kv_blocks,
             "block_size": config.block_size,
             "max_model_len": config.max_model_len,
             "max_num_seqs": config.max_num_seqs,
@@ -210,7 +222,7 @@ class EngineActor:
     async def get_stats(self) -> dict:
         stats = self.engine.get_stats()
         out: dict[str, Any] = {"engine_index": self.engine_index}
-        out.update({key: getattr(stats.scheduler, key) for key in _SCHEDULER_KEYS})
+        out.update({key: getattr(stats.scheduler, key) for key in ENGINE_FIGURES})
         out["num_unfinished"] = stats.num_unfinished
         out["healthy"] = stats.healthy
         now = time.monotonic()
@@ -231,14 +243,14 @@ class EngineActor:
         """Per rank, the actor a PD consumer reads that rank's KV from: None for a rank in this process."""
         from pagedserve.cluster.pd.rank_server import rank_actors
 
-        return rank_actors(self.engine)
+        return rank_actors(self.executor, self.engine.config.world_size)
 
     async def kv_read(self, rank: int, token: str, spec: Any, layers: list[int], auth: Any) -> list:
         """A PD consumer reads the KV of a rank in this process (signed: cluster/pd/read_auth.py; off the
         event loop)."""
         from pagedserve.cluster.pd.rank_server import read_local
 
-        return await asyncio.to_thread(read_local, self.engine, rank, token, spec, layers, auth)
+        return await asyncio.to_thread(read_local, self.executor, rank, token, spec, layers, auth)
 
     async def kv_release(self, request_id: str, hold_token: str) -> None:
         """A PD consumer is done with a finished prefill's KV: free its blocks (only with the hold's token)."""

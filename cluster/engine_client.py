@@ -1,0 +1,43 @@
+"""`EngineClient`: what the HTTP layer (cluster/serving/) needs of "the engines", whatever their shape.
+
+One implementation per shape, in cluster/serve/: `client.ServeEngineClient` (the monolithic Serve app:
+a DeploymentHandle to the engine deployment), `pd_client.PDClient` (prefill and decode pools) and
+`coordinator.DPCoordinator` (engine actors driven in-process: the PD pools, benchmarks, tests). Their
+stats share one shape (cluster/fleet_stats.py keeps the cumulative figures restart-aware).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from pagedserve.engine.outputs import RequestOutput
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The engines behind one app, as the OpenAI layer sees them."""
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
+                 priority: int = 0, final_only: bool = False,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs (or, with `final_only`, the finished output alone). Raises ValueError (bad
+        input), EngineOverloadedError or EngineDeadError; closing the iteration early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request still running (closing its `generate` stream does the same)."""
+        ...
+
+    def aggregate_stats(self) -> dict[str, Any]:
+        """Summed counters (monotonic) and gauges, mean KV usage, "engines" (one entry per engine), and
+        what the shape adds ("routing_decisions", "pools", "kv_transfer", "pd", "spec_decoding")."""
+        ...
+
+    def latest_stats(self) -> dict[str, Any]:
+        """`aggregate_stats()` from what was last polled, for /health and /metrics: never waits on an engine."""
+        ...
+
+    def is_healthy(self) -> bool:
+        """False when no engine is reachable or one reports a stall."""
+        ...

@@ -1,0 +1,3 @@
+"""Ray Serve: the engine deployment and the engine host, the one ingress deployment (over an engine
+client a factory builds), request routers, the engine clients, and the app builders of both shapes
+(`app.build_app`; `pd_app.build_pd_app` for prefill/decode disaggregation)."""
