@@ -113,7 +113,8 @@ def remote_params(prompt_len: int, hold: str) -> dict:
     """What a producer hands a reader (the fake runner, not a producer, serves the load)."""
     return {"do_remote_prefill": True, "remote_engine_id": "producer", "remote_request_id": hold,
             "remote_block_ids": [], "remote_num_tokens": prompt_len, "remote_layout": LAYOUT.to_dict(),
-            "remote_addresses": ["nowhere"], "kv_connector": "inproc", "expires_at": time.time() + 600}
+            "remote_addresses": ["nowhere"], "kv_connector": "inproc", "expires_at": time.time() + 600,
+            "remote_hold_token": "token"}
 
 
 def pd_request(rid: str, tokens: list[int], hold: str, max_tokens: int = 4) -> Request:
@@ -346,12 +347,12 @@ def _engines(tiny_llama, **consumer):
 def _released(producer, prompts):
     """Holds for `prompts` that the producer has already freed (and whose blocks it may have reused):
     every read of them fails."""
-    from tests.test_kv_transfer import _prefill, _prompts
+    from tests.test_kv_transfer import _hold, _prefill, _prompts
 
     remote = _prefill(producer, prompts)
-    producer.llm_engine.release_kv([r["remote_request_id"] for r in remote])
+    producer.llm_engine.release_kv([_hold(r) for r in remote])
     filler = _prefill(producer, _prompts(99, [30]))[0]  # this step frees them (and may reuse their blocks)
-    producer.llm_engine.release_kv([filler["remote_request_id"]])
+    producer.llm_engine.release_kv([_hold(filler)])
     return remote
 
 
