@@ -52,7 +52,7 @@ class PagedServeIngress:
 
     async def __init__(self, args: dict, engine: Any) -> None:
         from pagedserve.cluster.serve_client import ServeEngineClient
-        from pagedserve.engine.processor import load_tokenizer
+        from pagedserve.engine.tokenizer import load_tokenizer
 
         self.args = ServeArgs.model_validate(args)
         self.engine = engine

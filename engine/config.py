@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedserve.engine.worker.device_limits import check_block_size
+from pagedserve.engine.device_limits import check_block_size
 from pagedserve.engine.sampling_params import SEED_MAX, SEED_MIN
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.loader import load_model, resolve_dtype
 from pagedserve.engine.models import get_model_class
 from pagedserve.parallel.state import ParallelContext

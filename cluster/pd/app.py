@@ -88,7 +88,7 @@ class PagedServePDIngress:
     """One ingress replica: the HTTP app over a PD client."""
 
     async def __init__(self, args: dict, pools: Any) -> None:
-        from pagedserve.engine.processor import load_tokenizer
+        from pagedserve.engine.tokenizer import load_tokenizer
 
         self.args = ServeArgs.model_validate(args)
         self.info = await pools.info.remote()

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedserve import kernels
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 
 
 class KVLayerHooks(Protocol):

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.sample.sampling_batch import (
-    I_MIN_TOKENS,
-    BatchView,
-    SamplingBatch,
-    check_ids,
-    describe_failure,
-)
+from pagedserve.engine.failures import describe_failure
+from pagedserve.engine.sample.sampling_batch import I_MIN_TOKENS, BatchView, SamplingBatch, check_ids
 
 _NEG_INF = float("-inf")
 

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedserve.engine.failures import describe_failure
+
 if TYPE_CHECKING:
-    from pagedserve.engine.sample.sampler import SamplingState
+    from pagedserve.engine.sample.state import SamplingState
 
 # Host float columns, one row per slot.
 F_TEMP, F_TOP_P, F_MIN_P, F_REP, F_FREQ, F_PRES = range(6)
@@ -40,10 +42,6 @@ def check_ids(ids: list[int], vocab: int, field_name: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"{field_name}: token ids {bad} are outside the vocabulary (size {vocab})")
-
-
-def describe_failure(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 class _Rows:

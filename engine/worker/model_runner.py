@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 from pagedserve.engine.worker.input_batch import InputBatch
 from pagedserve.engine.worker.cuda_graphs import CUDAGraphRunner
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.models.loader import load_model, resolve_dtype
-from pagedserve.engine.sample.sampler import Sampler, SamplingState, compute_prompt_logprobs, describe_failure
+from pagedserve.engine.failures import describe_failure
+from pagedserve.engine.sample.sampler import Sampler, SamplingState, compute_prompt_logprobs
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.cpu import empty_hugepage_tensor, load_cpu_ops
 from pagedserve.parallel.communication import pp_recv_tensors, pp_send_tensors, world_sum_ints

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.worker.device_limits import check_block_size, should_warm_up
+from pagedserve.engine.device_limits import check_block_size, should_warm_up
 from pagedserve.engine.worker.model_runner import ModelRunner
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.parallel.state import ParallelContext, destroy_distributed, init_distributed
