@@ -106,6 +106,36 @@ class Sampler:
         if self._batch is not None:
             self._batch.release(state)
 
+    def process_positions(
+        self, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]]
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        """The logits processors at a speculating step's verified positions, by the same batched rules
+        as `sample`: `logits` holds 1 + len(drafts[i]) rows per state, in order, and row j of state i is
+        processed as `sample` would process it once the output held drafts[i][:j]. Returns the float32
+        processed logits and, per state index that cannot be processed, why (its rows mean nothing)."""
+        logits = logits.to(torch.float32)
+        row_states: list[SamplingState] = []
+        extra: list[list[int]] = []
+        owner: list[int] = []
+        for i, (state, d) in enumerate(zip(states, drafts)):
+            for j in range(len(d) + 1):
+                row_states.append(state)
+                extra.append(d[:j])
+                owner.append(i)
+        if not row_states:
+            return logits, {}
+        batch = self._batch_for(logits)
+        view = batch.prepare(row_states, key="positions")
+        try:
+            errors = {r: view.entries[r].error or "" for r in view.error_rows}
+            processed = apply_processors(logits, batch, view, errors, extra)
+        finally:
+            view.states = []  # the cached view must not keep finished requests alive
+        failed: dict[int, str] = {}
+        for r in sorted(errors):
+            failed.setdefault(owner[r], errors[r])
+        return processed, failed
+
     def sample(
         self,
         logits: torch.Tensor,

@@ -371,14 +371,17 @@ class ModelRunner:
             return
         states = [self.requests[rid].sampling for rid in batch.spec_req_ids]
         try:
-            results, logprobs = self.speculator.verify(
-                logits, [batch.drafts.get(rid, []) for rid in batch.spec_req_ids], states
+            results, logprobs, errors = self.speculator.verify(
+                logits, [batch.drafts.get(rid, []) for rid in batch.spec_req_ids], states, self.sampler
             )
         except Exception as exc:  # no single request to blame: every speculating request of the step fails
             for rid in batch.spec_req_ids:
                 output.failed[rid] = describe_failure(exc)
             return
-        for rid, result, entries in zip(batch.spec_req_ids, results, logprobs):
+        for i, (rid, result, entries) in enumerate(zip(batch.spec_req_ids, results, logprobs)):
+            if result is None:  # its own rows could not be processed (ids outside the vocabulary)
+                output.failed[rid] = errors[i]
+                continue
             if entries is not None:
                 output.spec_logprobs[rid] = entries
             output.sampled_token_ids[rid] = result.next_token_id
