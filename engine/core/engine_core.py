@@ -9,7 +9,7 @@ keeps serving.
 
 Async scheduling (`async_scheduling`): the in-process executor runs steps in order on a background
 thread and two batches are in flight, so the scheduler (and, above, the output processor) works on
-step N+1 while step N runs (engine/core/scheduler_async.py). A failing batch fails only its own
+step N+1 while step N runs (engine/core/scheduling/in_flight.py). A failing batch fails only its own
 requests there: the worker runs the batch behind it anyway.
 
 Structured output: a request with `structured_outputs` waits (WAITING_FOR_GRAMMAR) while its
