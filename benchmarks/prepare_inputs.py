@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/prepare_inputs.py --batch-sizes 64 256 --context 500 --steps 200
 
-Runs the runner's own state update, batch plan and input preparation (no model, no forward pass) on
+Runs the runner's own state update, step plan and input preparation (no model, no forward pass) on
 a stream of decode steps shaped like the scheduler's output: every request gets one new token per
-step and a new block every `block_size` steps. Prints the mean and p50/p90 per step of
-`_prepare_inputs` alone and of the whole input path (`_update_states` + `_plan_batch` +
-`_prepare_inputs`).
+step and a new block every `block_size` steps. Prints the mean and p50/p90 per step of the input
+batch's `prepare` alone and of the whole input path (`RequestStates.update` + `order_step` +
+`InputBatch.prepare`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pagedserve.engine.core.scheduler_output import (
 )
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.worker.model_runner import ModelRunner
+from pagedserve.engine.worker.step_plan import order_step
 from pagedserve.parallel.state import ParallelContext
 
 
@@ -66,10 +67,10 @@ def run(batch: int, context: int, steps: int, block_size: int = 16) -> dict[str,
     prepare_s, total_s = [], []
     for step in range(steps + 5):
         t0 = time.perf_counter()
-        runner._update_states(so)
-        plan = runner._plan_batch(so, {})
+        runner.states.update(so, None)
+        plan = order_step(so, runner.input_batch, {})
         t1 = time.perf_counter()
-        runner._prepare_inputs(plan)
+        runner.input_batch.prepare(plan.req_ids, plan.query_lens_np, plan.drafts, rows=plan.rows)
         t2 = time.perf_counter()
         if step >= 5:  # warm-up steps
             prepare_s.append(t2 - t1)

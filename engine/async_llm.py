@@ -92,13 +92,12 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
-        stream_delta: bool = True,
-        output_kind: OutputKind | None = None,
+        output_kind: OutputKind = OutputKind.DELTA,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs (deltas by default). Bad input raises ValueError before the
-        first output; the request is aborted if the caller stops iterating (client disconnect).
-        `output_kind` overrides `stream_delta`: FINAL_ONLY yields only the finished output, for a caller
-        that reads nothing before the end (its text is then decoded once, not token by token)."""
+        """Stream the request's outputs (deltas by default; CUMULATIVE: each output holds everything so
+        far). Bad input raises ValueError before the first output; the request is aborted if the caller
+        stops iterating (client disconnect). FINAL_ONLY yields only the finished output, for a caller that
+        reads nothing before the end (its text is then decoded once, not token by token)."""
         self._raise_if_dead()
         request_id = request_id or f"req-{next(self._ids)}"
         if self._num_active >= self.max_pending_requests:
@@ -117,9 +116,8 @@ class AsyncLLM:
                 self._num_active -= 1
                 raise
         stream = _Stream(loop, asyncio.Queue())
-        kind = output_kind if output_kind is not None else OutputKind.DELTA if stream_delta else OutputKind.CUMULATIVE
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, sampling_params, priority, kind, stream, bad_words_ids),
+        self._commands.put(("add", (request_id, prompt, sampling_params, priority, output_kind, stream, bad_words_ids),
                             added))
         finished = False
         try:
@@ -132,7 +130,7 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 # Several steps' deltas waiting (a slow consumer, e.g. an HTTP stream): send them as one.
-                while kind == OutputKind.DELTA and not item.finished and not stream.queue.empty():
+                while output_kind == OutputKind.DELTA and not item.finished and not stream.queue.empty():
                     later = stream.queue.get_nowait()
                     if isinstance(later, BaseException):
                         error = later

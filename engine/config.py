@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedserve.engine.worker.device_limits import check_block_size
+from pagedserve.engine.device_limits import check_block_size
 from pagedserve.engine.sampling_params import SEED_MAX, SEED_MIN
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class EngineConfig(BaseModel):
     # (a dict, or its JSON text as the CLI passes it); see engine/spec_decode/config.py.
     speculative_config: dict[str, Any] | None = None
     # vLLM's name: schedule step N+1 while step N runs (the sampled token feeds the next step on the worker);
-    # the in-process executor only (engine/core/scheduler_async.py).
+    # the in-process executor only (engine/core/scheduling/in_flight.py).
     async_scheduling: bool = False
 
     # Resolved from the HF config by `resolve()`; not user input.

@@ -9,7 +9,8 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from pagedserve.engine.outputs import RequestOutput, SchedulerStats
-from pagedserve.engine.processor import Processor, PromptType, load_tokenizer
+from pagedserve.engine.processor import Processor, PromptType
+from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.engine.core.request import RequestStatus
 from pagedserve.engine.sampling_params import SamplingParams, derive_seed
 

@@ -21,7 +21,7 @@ from typing import Any, Union
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.request import Request
-from pagedserve.kv_transfer.scheduler_connector import continuation_token_ids
+from pagedserve.kv_transfer.params import continuation_token_ids
 from pagedserve.engine.sampling_params import (
     MAX_BAD_WORDS_TOKENS,
     SamplingParams,
@@ -47,22 +47,6 @@ def cache_salt_of(prompt: PromptType) -> str | None:
     if not 1 <= len(salt) <= CACHE_SALT_MAX_CHARS:
         raise ValueError(f"cache_salt: expected 1 to {CACHE_SALT_MAX_CHARS} characters, got {len(salt)}")
     return salt
-
-
-def load_tokenizer(path: str):
-    """The tokenizer (and chat template) of an HF-format folder, or the one a GGUF file carries
-    (a .gguf path, or a directory holding one and no tokenizer files of its own)."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from pagedserve.engine.models.gguf_loader import find_gguf_file, load_gguf_tokenizer
-
-    has_own_files = any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-    gguf_file = None if has_own_files else find_gguf_file(path)
-    if gguf_file is not None:
-        return load_gguf_tokenizer(gguf_file)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def eos_token_ids_of(model_path: str, hf_config, tokenizer) -> set[int]:

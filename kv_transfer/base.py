@@ -4,8 +4,8 @@ A connector has two halves. The scheduler half runs in the engine core and decid
 how many of a request's prompt tokens can be loaded from elsewhere instead of being
 computed, and what to keep for a reader when a request finishes. The worker half
 runs next to the model and moves the KV of individual layers: it starts loading
-before the forward pass, each attention layer waits for its own layer, and each
-layer's freshly written KV may be saved as soon as the layer has run.
+before the forward pass and each attention layer waits for its own layer. Nothing
+is pushed: a reader pulls a producer's KV from blocks the producer holds for it.
 """
 
 from __future__ import annotations
@@ -90,14 +90,6 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def wait_for_layer_load(self, layer_idx: int) -> None:
         """Block until layer `layer_idx`'s external KV is in the paged cache."""
-
-    @abstractmethod
-    def save_layer(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, attn_metadata: Any) -> None:
-        """Layer `layer_idx` has written this step's KV: ship what the metadata asks to save."""
-
-    @abstractmethod
-    def wait_for_save(self) -> None:
-        """Block until every save started this step has completed."""
 
     def finish_loads(self) -> tuple[set[str], int, float]:
         """After the forward pass: (requests whose load failed here, bytes loaded, seconds spent)."""

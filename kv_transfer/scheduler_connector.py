@@ -96,16 +96,6 @@ def _remote_params(request: ConnectorRequest) -> dict[str, Any] | None:
     return getattr(request.sampling_params, "kv_transfer_params", None)
 
 
-def continuation_token_ids(params: dict[str, Any] | None) -> list[int]:
-    """The producer's output tokens a consumer request continues from (`"continue_remote_output": True`
-    beside a producer's params), else []. The request then starts with them as its first output tokens:
-    the client already has them from the prefill (time to first token is the prefill's), and the
-    consumer computes only their KV and what follows."""
-    if not params or not params.get("do_remote_prefill") or not params.get("continue_remote_output"):
-        return []
-    return [int(t) for t in params.get("remote_output_token_ids") or []]
-
-
 class PDConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, layout: KVLayout, block_size: int) -> None:
         self.config = config

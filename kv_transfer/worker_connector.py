@@ -149,13 +149,5 @@ class PDConnectorWorker(KVConnectorWorker):
             except Exception as exc:  # noqa: BLE001 - the producer's timeout frees the blocks anyway
                 logger.warning("could not release hold %s at its producer: %s", shown(remote_request_id), exc)
 
-    # ------------------------------------------------------------------ saving (pull model: nothing to push)
-
-    def save_layer(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, attn_metadata: Any) -> None:
-        """Readers pull from the producer's blocks, which stay allocated until released: nothing to do."""
-
-    def wait_for_save(self) -> None:
-        """Nothing is pushed, so nothing to wait for."""
-
     def close(self) -> None:
         self.transport.close()

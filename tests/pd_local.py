@@ -16,7 +16,7 @@ from pagedserve.cluster.serve.pd_client import PDClient
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.settings import ServeArgs
-from pagedserve.engine.processor import load_tokenizer
+from pagedserve.engine.tokenizer import load_tokenizer
 from tests.local_serving import LocalHandle
 
 MODEL_NAME = "tiny"

@@ -201,7 +201,7 @@ def test_aborts_mid_generation_and_an_id_reused_at_once(tiny_llama):
             tokens = out.outputs[0].token_ids
             if out.request_id == "r1" and aborted_at is None and len(tokens) >= 4:
                 aborted_at = list(tokens)
-                assert engine.engine_core.scheduler._in_flight, "the abort lands while a batch is in flight"
+                assert engine.engine_core.scheduler.in_flight, "the abort lands while a batch is in flight"
                 engine.abort_request("r1")
                 engine.add_request("r1", {"prompt_token_ids": prompts[2]}, params)  # the id, reused at once
                 assert [r.request_id for r in engine.engine_core._held] == ["r1"]  # added once its batch is back

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.sample.bad_words import BadWordsTrie
 from pagedserve.engine.sampling_params import (
     MAX_BAD_WORDS_CHARS,
@@ -101,7 +102,8 @@ def test_async_llm_tokenizes_bad_words_off_the_engine_thread(tiny_llama):
         params = SamplingParams(temperature=0, max_tokens=4, n=3, bad_words=["fox", "the lazy dog"])
 
         async def run():
-            outputs = [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, stream_delta=False)]
+            outputs = [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7]}, params,
+                                                      output_kind=OutputKind.CUMULATIVE)]
             return outputs[-1]
 
         final = asyncio.run(run())

@@ -55,7 +55,7 @@ def test_greedy_matches_hf_on_cuda(tiny_llama):
 def test_decode_cuda_graphs_replay_what_the_eager_forward_computes(tiny_model_factory, monkeypatch):
     """Captured decode graphs (split-K over 4 partitions at max_model_len 2048) give the eager run's greedy
     tokens when the engine's decode steps replay them, and its hidden states for a padded batch."""
-    from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+    from pagedserve.engine.layers.attention_metadata import AttentionMetadata
     from pagedserve.engine.worker.cuda_graphs import CUDAGraphRunner
     from tests.test_cuda_graphs import route_through_runner_graphs
 

@@ -10,7 +10,7 @@ import torch
 from pagedserve.cluster.cli import build_parser, serve_args_from
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 from pagedserve.engine.worker.cuda_graphs import (
     CUDAGraphRunner,
     DecodeGraphBuffers,

@@ -113,7 +113,7 @@ def test_the_model_card_says_which_default_is_served_and_why(absent):
     from pagedserve.cluster.serving.app import build_fastapi_app
     from pagedserve.cluster.serving.core import OpenAIServing
     from pagedserve.cluster.settings import ServeArgs
-    from pagedserve.engine.processor import load_tokenizer
+    from pagedserve.engine.tokenizer import load_tokenizer
     from tests.local_serving import ScriptedCoordinator
 
     args = ServeArgs(model=None, api_key=None)

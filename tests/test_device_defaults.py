@@ -10,7 +10,7 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.engine.config import EngineConfig, context_limit
-from pagedserve.engine.worker.device_limits import BLOCK_SIZE_RANGE, auto_dtype, check_block_size, should_warm_up
+from pagedserve.engine.device_limits import BLOCK_SIZE_RANGE, auto_dtype, check_block_size, should_warm_up
 from pagedserve.engine.models.loader import resolve_dtype
 from pagedserve.engine.worker.warmup import warm_up_batches
 from pagedserve.engine.worker.worker import Worker

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pagedserve.engine.worker.flat_batch import build_flat_inputs
+from pagedserve.engine.spec_decode.flat_batch import build_flat_inputs
 from pagedserve.engine.worker.input_batch import InputBatch
 
 BLOCK_SIZE = 4

@@ -5,6 +5,8 @@ import its own layer and the layers below it, never one above; `engine` (and wha
 imports `ray`; every internal import goes through `pagedserve.` so that nothing depends on the
 repository root being on sys.path. Inside cluster/ the rooms (serving, serve, executor, pd, and the
 modules at its top) follow their own one-way rule: serving -> top <- serve, pd; serve -> pd, executor.
+And no two engine modules import each other, directly or round a longer loop (type-only and
+function-level imports count: a cycle only type hints need still says that two modules share one job).
 """
 
 from __future__ import annotations
@@ -156,3 +158,93 @@ def test_cluster_rooms_are_the_documented_ones():
     """A new folder under cluster/ is a new room: give it a rule above (and a paragraph in the docs)."""
     folders = {p.name for p in (ROOT / "cluster").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders == set(ROOMS), folders
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["pagedserve", *parts])
+
+
+def _import_graph(paths: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules among `paths` (name -> file) it imports, anywhere in the file: TYPE_CHECKING
+    blocks and function bodies included. `from package import name` is an edge to the module `name`
+    when there is one, else to the package; a package a module merely sits in is no edge."""
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names if alias.name in paths)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in paths:
+                        edges.add(f"{base}.{alias.name}")
+                    elif base in paths:
+                        edges.add(base)
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_sees_type_only_and_function_level_cycles(tmp_path: Path):
+    """The rule below can fail: a loop closed only by a TYPE_CHECKING import or by an import inside a
+    function is a cycle; a chain is not."""
+    files = {
+        "pkg.a": "from pkg.b import B\n",
+        "pkg.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n",
+        "pkg.c": "def f():\n    from pkg import d\n",
+        "pkg.d": "from . import c\n",
+        "pkg.e": "import pkg.a\n",
+    }
+    paths = {}
+    for name, text in files.items():
+        path = tmp_path / f"{name.split('.')[1]}.py"
+        path.write_text(text)
+        paths[name] = path
+    assert _cycles(_import_graph(paths)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+def test_no_import_cycles_between_engine_modules():
+    """Two modules that import each other share one job: split it, or move the shared part below both."""
+    cycles = _cycles(_import_graph({_module_name(p): p for p in _modules("engine")}))
+    assert not cycles, "import cycles between engine modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)

@@ -19,7 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.loader import load_model, resolve_dtype
 from pagedserve.engine.models import get_model_class
 from pagedserve.parallel.state import ParallelContext
@@ -316,13 +316,8 @@ class CopyInHooks:
         for dst, src in zip(self.local[layer_idx], self.remote[layer_idx]):
             dst.copy_(src)
 
-    def save_layer(self, layer_idx: int, key_cache, value_cache, attn_metadata) -> None:
-        self.calls.append(("save", layer_idx))
-        assert key_cache is self.local[layer_idx][0] and value_cache is self.local[layer_idx][1]
-        assert isinstance(attn_metadata, AttentionMetadata)
 
-
-def test_kv_hooks_load_before_attention_and_save_after(tmp_path: Path) -> None:
+def test_kv_hooks_load_before_attention(tmp_path: Path) -> None:
     """Prefix KV computed elsewhere and loaded layer by layer through kv_hooks gives HF's logits."""
     hf_config, hf_model = build_checkpoint(transformers.LlamaConfig, tmp_path)
     model = load_model(str(tmp_path), hf_config, torch.float32, ParallelContext.single())
@@ -337,6 +332,6 @@ def test_kv_hooks_load_before_attention_and_save_after(tmp_path: Path) -> None:
         hooks = CopyInHooks(remote, local)
         ids, pos, md = batcher.step([("A", tokens[8:13])])
         logits = model.compute_logits(model(ids, pos, local, md, kv_hooks=hooks))
-    assert hooks.calls == [("wait", 0), ("save", 0), ("wait", 1), ("save", 1)]
+    assert hooks.calls == [("wait", 0), ("wait", 1)]
     ref = hf_logits(hf_model, hf_config.vocab_size)["A"][8:13]
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=1e-4)

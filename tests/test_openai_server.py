@@ -371,7 +371,7 @@ def test_bounded_load(server, http):
 def make_app(tiny_llama):
     from pagedserve.cluster.serving.app import build_fastapi_app
     from pagedserve.cluster.serving.core import OpenAIServing
-    from pagedserve.engine.processor import load_tokenizer
+    from pagedserve.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_llama))
 

@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.settings import API_KEY_ENV, ServeArgs, exposure_warning, is_loopback_host
-from pagedserve.engine.processor import load_tokenizer
+from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.engine.sampling_params import MAX_BAD_WORDS_TOKENS
 from tests.local_serving import LocalServer, ScriptedCoordinator
 from tests.test_serving_errors import TIMEOUT, GatedTokenizer, assert_openai_error

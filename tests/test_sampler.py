@@ -283,16 +283,16 @@ def test_shape_mismatch_raises():
 
 
 def test_seeded_generator_is_made_on_the_logits_device(monkeypatch):
-    import pagedserve.engine.sample.sampler as sampler_mod
+    import pagedserve.engine.sample.state as state_mod
 
     made_on = []
-    real = sampler_mod.make_generator
+    real = state_mod.make_generator
 
     def recording(seed, device="cpu"):
         made_on.append(torch.device(device))
         return real(seed, device)
 
-    monkeypatch.setattr(sampler_mod, "make_generator", recording)
+    monkeypatch.setattr(state_mod, "make_generator", recording)
     st = state(temperature=1.0, seed=7)
     assert st.generator is None  # nothing is made before the device is known
     logits = crafted(5, 6)

@@ -163,7 +163,7 @@ def test_body_over_the_limit_is_413(client):
 
 
 def test_unexpected_errors_are_500_bodies_logged_and_counted(tiny_llama, caplog):
-    from pagedserve.engine.processor import load_tokenizer
+    from pagedserve.engine.tokenizer import load_tokenizer
 
     args = ServeArgs(model=str(tiny_llama), served_model_name="tiny", api_key=None)
     serving = OpenAIServing(ScriptedCoordinator(fail_at_start=RuntimeError("boom")), load_tokenizer(str(tiny_llama)),
@@ -214,7 +214,7 @@ class GatedTokenizer:
 
 def test_health_answers_while_a_prompt_is_being_tokenized(tiny_llama):
     """Encoding blocks until /health has answered: done on the event loop, it would wait out the timeout."""
-    from pagedserve.engine.processor import load_tokenizer
+    from pagedserve.engine.tokenizer import load_tokenizer
 
     tokenizer = GatedTokenizer(load_tokenizer(str(tiny_llama)))
     args = ServeArgs(model=str(tiny_llama), served_model_name="tiny", api_key=None)
@@ -272,7 +272,7 @@ def test_request_chat_template_is_refused_by_default(client):
 
 
 def test_trusted_request_chat_template_renders_with_a_size_limit(tiny_llama):
-    from pagedserve.engine.processor import load_tokenizer
+    from pagedserve.engine.tokenizer import load_tokenizer
 
     args = ServeArgs(model=str(tiny_llama), served_model_name="tiny", api_key=None,
                      trust_request_chat_template=True, max_request_body_bytes=64 * 1024)
@@ -363,7 +363,7 @@ def test_request_id_is_honoured_generated_or_refused(client):
 
 
 def _keyed_app(tiny_llama, **overrides) -> tuple:
-    from pagedserve.engine.processor import load_tokenizer
+    from pagedserve.engine.tokenizer import load_tokenizer
 
     coordinator = ScriptedCoordinator()
     args = ServeArgs(model=str(tiny_llama), served_model_name="tiny", api_key="k3y", **overrides)

@@ -279,8 +279,7 @@ def test_each_verified_position_is_processed_as_the_plain_sampler_would_at_that_
     logits equal the plain sampler's processors for a request whose output already holds those drafts."""
     import torch
 
-    from pagedserve.engine.sample.sampler import SamplingState, _apply_logits_processors
-    from pagedserve.engine.worker.speculator import _apply_position_processors
+    from pagedserve.engine.sample.sampler import Sampler, SamplingState, _apply_logits_processors
 
     vocab, gen = 40, torch.Generator().manual_seed(3)
     every = [
@@ -296,7 +295,8 @@ def test_each_verified_position_is_processed_as_the_plain_sampler_would_at_that_
         state = SamplingState(params=params, prompt_token_ids=prompt, output_token_ids=list(output),
                               bad_words_token_ids=bad_words, eos_token_ids={1})
         logits = torch.randn(len(drafts) + 1, vocab, generator=gen) * 3
-        got = _apply_position_processors(logits, [drafts], [state], [0])
+        got, errors = Sampler().process_positions(logits, [state], [drafts])
+        assert not errors
         for j in range(len(drafts) + 1):
             at_j = SamplingState(params=params, prompt_token_ids=prompt, output_token_ids=output + drafts[:j],
                                  bad_words_token_ids=bad_words, eos_token_ids={1})

@@ -332,6 +332,29 @@ def test_filters_are_applied_to_drafts_and_emitted_tokens():
     assert all(r.token_ids == [0, 0, 0] for r in results)
 
 
+def test_a_speculating_request_the_processors_cannot_process_fails_alone():
+    """Verification runs the sampler's processors, with the sampler's rule for ids outside the
+    vocabulary: that request fails; the others (a seeded one included) get what they get alone."""
+    from pagedserve.engine.worker.speculator import Speculator
+
+    vocab = 16
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(4)) * 3
+
+    def states():
+        return [
+            SamplingState.create(SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.3), [1, 2, 3]),
+            SamplingState.create(SamplingParams(temperature=0, allowed_token_ids=[2, 40]), [1, 2]),
+            SamplingState.create(SamplingParams(temperature=0, logit_bias={5: 4.0}), [4]),
+        ]
+
+    drafts = [[4, 5], [2], [5]]
+    results, _, errors = Speculator.verify(logits, drafts, states(), Sampler())
+    assert results[1] is None and "allowed_token_ids" in errors[1] and set(errors) == {1}
+    for i, rows in ((0, slice(0, 3)), (2, slice(5, 7))):
+        alone, _, no_errors = Speculator.verify(logits[rows], [drafts[i]], [states()[i]], Sampler())
+        assert not no_errors and alone[0].token_ids == results[i].token_ids
+
+
 def test_bad_input_is_rejected():
     row = SpecRow([1], greedy=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator=None)
     with pytest.raises(ValueError, match="logits has 3 rows"):

@@ -20,7 +20,7 @@ from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.settings import ServeArgs
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.processor import load_tokenizer
+from pagedserve.engine.tokenizer import load_tokenizer
 from pydantic import ValidationError
 from starlette.testclient import TestClient
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.processor import load_tokenizer
+from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.engine.structured_output.compile_pool import CompileError, CompileTimeoutError
 from pagedserve.engine.structured_output.grammar import check_spec
 from pagedserve.engine.structured_output.limits import DEFAULT_LIMITS, repetition_units

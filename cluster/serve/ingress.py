@@ -82,7 +82,7 @@ class PagedServeIngress:
     """One ingress replica: the HTTP app over the engine client `connect(args, upstream)` builds."""
 
     async def __init__(self, args: dict, connect: ClientFactory, upstream: Any) -> None:
-        from pagedserve.engine.processor import load_tokenizer
+        from pagedserve.engine.tokenizer import load_tokenizer
 
         self.args = ServeArgs.model_validate(args)
         self.connection = await connect(self.args, upstream)

@@ -9,7 +9,7 @@ keeps serving.
 
 Async scheduling (`async_scheduling`): the in-process executor runs steps in order on a background
 thread and two batches are in flight, so the scheduler (and, above, the output processor) works on
-step N+1 while step N runs (engine/core/scheduler_async.py). A failing batch fails only its own
+step N+1 while step N runs (engine/core/scheduling/in_flight.py). A failing batch fails only its own
 requests there: the worker runs the batch behind it anyway.
 
 Structured output: a request with `structured_outputs` waits (WAITING_FOR_GRAMMAR) while its
@@ -31,7 +31,7 @@ from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.scheduler import Scheduler
-from pagedserve.engine.sample.sampler import describe_failure
+from pagedserve.engine.failures import describe_failure
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class EngineCore:
     def structured_output(self):
         """The structured-output manager (xgrammar is imported and set up on first use)."""
         if self._structured_output is None:
-            from pagedserve.engine.processor import load_tokenizer
+            from pagedserve.engine.tokenizer import load_tokenizer
             from pagedserve.engine.structured_output.manager import StructuredOutputManager
 
             if self.tokenizer is None:

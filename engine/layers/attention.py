@@ -8,10 +8,8 @@ cached prefix). The layer owns no parameters; projections live in the model.
 
 KV connector seam (disaggregated prefill/decode): when ``kv_hooks`` is given,
 ``wait_for_layer_load(layer_idx)`` is called before the layer touches its cache
-(so KV loaded from a remote prefill instance is in place) and
-``save_layer(layer_idx, key_cache, value_cache, attn_metadata)`` after the new
-K/V has been written and attention computed (so a connector can ship this
-layer's blocks while later layers run). ``layer_idx`` is this pipeline stage's
+(so KV loaded from a remote prefill instance is in place; connectors pull, so
+nothing is pushed after the layer). ``layer_idx`` is this pipeline stage's
 LOCAL layer index, i.e. the index into the ``kv_caches`` list the model runner
 registered with the connector (global index = model.start_layer + layer_idx).
 """
@@ -24,17 +22,13 @@ import torch
 from torch import nn
 
 from pagedserve import kernels
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 
 
 class KVLayerHooks(Protocol):
     """Worker-side per-layer calls of a KV connector (see module docstring)."""
 
     def wait_for_layer_load(self, layer_idx: int) -> None: ...
-
-    def save_layer(
-        self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> None: ...
 
 
 class Attention(nn.Module):
@@ -113,6 +107,4 @@ class Attention(nn.Module):
                 key=key[nd:end],
                 value=value[nd:end],
             )
-        if kv_hooks is not None:
-            kv_hooks.save_layer(self.kv_cache_idx, key_cache, value_cache, md)
         return out.view(num_tokens, self.num_heads * self.head_size)

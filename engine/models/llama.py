@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Iterable
 import torch
 from torch import nn
 
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 from pagedserve.engine.layers import Attention, GatedMLP, KVLayerHooks, RMSNorm, RotaryEmbedding, rope_params_from_config
 from pagedserve.parallel.layers import (
     ParallelLMHead,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagedserve.engine.worker.device_limits import auto_dtype
+from pagedserve.engine.device_limits import auto_dtype
 from pagedserve.engine.models.gguf_loader import find_gguf_file, load_gguf_weights
 from pagedserve.engine.models.registry import get_model_class
 from pagedserve.parallel.state import ParallelContext

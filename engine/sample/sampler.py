@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.engine.sample.bad_words import BadWordsTrie
+from pagedserve.engine.failures import describe_failure
 from pagedserve.engine.sample.logprobs import Logprob, compute_prompt_logprobs, gather_logprobs
 from pagedserve.engine.sample.processors import apply_processors
 from pagedserve.engine.sample.sampling_batch import (
@@ -49,14 +49,13 @@ from pagedserve.engine.sample.sampling_batch import (
     I_TOP_K,
     BatchView,
     SamplingBatch,
-    describe_failure,
 )
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sample.state import SamplingState
 from pagedserve.kernels import apply_top_k_top_p_min_p
 
 __all__ = [
     "FaultInjector", "Logprob", "Sampler", "SamplerOutput", "SamplingState",
-    "compute_prompt_logprobs", "describe_failure", "make_generator",
+    "compute_prompt_logprobs",
 ]
 
 # Exponential noise of exactly 0 would turn a zero probability into NaN (0/0).
@@ -67,66 +66,6 @@ FaultInjector = Callable[[str], None]
 
 # Per-row sampling parameters of the race: (temperature, top_k, top_p, min_p), None = not needed.
 _RaceParams = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
-@dataclass
-class SamplingState:
-    """The sampler's view of one running request; the engine owns and updates it (output_token_ids
-    only grows; params, eos ids and bad words are fixed once the sampler has seen the state)."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    # Per-request generator seeded from params.seed; None = the sampler's shared one.
-    generator: torch.Generator | None = None
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)
-    # Blocked (with params.stop_token_ids) while len(output_token_ids) < params.min_tokens.
-    eos_token_ids: set[int] = field(default_factory=set)
-    request_id: str = ""
-    # Draws a seeded request's generator skips when it is made: one per output token sampled elsewhere
-    # (a prefill/decode continuation), so it goes on exactly where the producer's generator stopped.
-    pending_draws: int = 0
-    # The bad words as a trie (built on first use; bad_words_token_ids are fixed by then).
-    _bad_words_trie: BadWordsTrie | None = field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def bad_words_trie(self) -> BadWordsTrie:
-        if self._bad_words_trie is None:
-            self._bad_words_trie = BadWordsTrie(self.bad_words_token_ids)
-        return self._bad_words_trie
-
-    def generator_for(self, device: torch.device) -> torch.Generator | None:
-        """The request's own generator on `device` (made there on first use); None if unseeded."""
-        if self.params.seed is None:
-            return None
-        if self.generator is None or self.generator.device != device:
-            self.generator = make_generator(self.params.seed, device)
-        return self.generator
-
-    @classmethod
-    def create(
-        cls,
-        params: SamplingParams,
-        prompt_token_ids: list[int],
-        eos_token_ids: set[int] | None = None,
-        bad_words_token_ids: list[list[int]] | None = None,
-        request_id: str = "",
-    ) -> SamplingState:
-        """The generator of a seeded request is made lazily, on the device of its first logits."""
-        return cls(
-            params=params,
-            prompt_token_ids=list(prompt_token_ids),
-            output_token_ids=[],
-            bad_words_token_ids=list(bad_words_token_ids or []),
-            eos_token_ids=set(eos_token_ids or ()),
-            request_id=request_id,
-        )
 
 
 @dataclass
@@ -166,6 +105,36 @@ class Sampler:
         """Forget a finished request's persistent rows (the runner calls this when it drops one)."""
         if self._batch is not None:
             self._batch.release(state)
+
+    def process_positions(
+        self, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]]
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        """The logits processors at a speculating step's verified positions, by the same batched rules
+        as `sample`: `logits` holds 1 + len(drafts[i]) rows per state, in order, and row j of state i is
+        processed as `sample` would process it once the output held drafts[i][:j]. Returns the float32
+        processed logits and, per state index that cannot be processed, why (its rows mean nothing)."""
+        logits = logits.to(torch.float32)
+        row_states: list[SamplingState] = []
+        extra: list[list[int]] = []
+        owner: list[int] = []
+        for i, (state, d) in enumerate(zip(states, drafts)):
+            for j in range(len(d) + 1):
+                row_states.append(state)
+                extra.append(d[:j])
+                owner.append(i)
+        if not row_states:
+            return logits, {}
+        batch = self._batch_for(logits)
+        view = batch.prepare(row_states, key="positions")
+        try:
+            errors = {r: view.entries[r].error or "" for r in view.error_rows}
+            processed = apply_processors(logits, batch, view, errors, extra)
+        finally:
+            view.states = []  # the cached view must not keep finished requests alive
+        failed: dict[int, str] = {}
+        for r in sorted(errors):
+            failed.setdefault(owner[r], errors[r])
+        return processed, failed
 
     def sample(
         self,

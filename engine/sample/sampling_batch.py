@@ -6,7 +6,9 @@ the ids min_tokens masks, an allowed_token_ids mask, and for requests with penal
 seen-token mask and the output's token counts. All of it is built once, when the request is added;
 after that a step only adds the output tokens sampled since the last step to the counts. A step's
 `BatchView` gathers the rows of its batch (in batch order) and is reused while the batch keeps its
-composition, so a steady decode batch costs no host work per row beyond a dict lookup.
+composition, so a steady decode batch costs no host work per row beyond a dict lookup (one view is
+kept per purpose: the plain sampler's rows, and a speculating step's verified positions, where one
+request holds several rows).
 
 Requests are keyed by the identity of their `SamplingState` (request ids are not unique across
 direct callers). A slot is freed by `release(state)` (the model runner calls it for finished
@@ -24,8 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedserve.engine.failures import describe_failure
+
 if TYPE_CHECKING:
-    from pagedserve.engine.sample.sampler import SamplingState
+    from pagedserve.engine.sample.state import SamplingState
 
 # Host float columns, one row per slot.
 F_TEMP, F_TOP_P, F_MIN_P, F_REP, F_FREQ, F_PRES = range(6)
@@ -40,10 +44,6 @@ def check_ids(ids: list[int], vocab: int, field_name: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"{field_name}: token ids {bad} are outside the vocabulary (size {vocab})")
-
-
-def describe_failure(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 class _Rows:
@@ -145,8 +145,8 @@ class SamplingBatch:
         self._dead: list[tuple[int, int]] = []  # (id, token) of states garbage collected while held
         self._tokens = 0
         self._generation = 0  # bumped when a held row's flags change (a cached view is then stale)
-        self._view: BatchView | None = None
-        self._view_generation = -1
+        # Per purpose (the caller's key): the last view built and the generation it was built at.
+        self._views: dict[str, tuple[BatchView, int]] = {}
         dev, v = self.device, vocab_size
         self._bias_idx = _Rows(1, torch.long, dev, 0)
         self._bias_val = _Rows(1, torch.float32, dev, 0.0)
@@ -265,17 +265,19 @@ class SamplingBatch:
 
     # ------------------------------------------------------------------ one step's view
 
-    def prepare(self, states: list[SamplingState]) -> BatchView:
-        """The view of this step's batch (adding new states), with penalty counts brought up to date."""
+    def prepare(self, states: list[SamplingState], key: str = "sample") -> BatchView:
+        """The view of this step's batch (adding new states), with penalty counts brought up to date.
+        A state may fill several rows (a speculating request's positions). `key` names the purpose
+        whose last view is reused while the batch keeps its composition."""
         self._drain()
         by_id = self._by_id
         entries = [by_id.get(id(s)) or self._add(s) for s in states]
-        view = self._view
-        if view is None or self._view_generation != self._generation or view.entries != entries:
-            view = self._build_view(entries)
+        view, generation = self._views.get(key, (None, -1))
+        if view is None or generation != self._generation or view.entries != entries:
+            view = self._build_view(entries, key)
         view.states = states
         if view.pen_rows and self._sync_counts(view):
-            view = self._build_view(entries)  # a row failed while counting: its flags changed
+            view = self._build_view(entries, key)  # a row failed while counting: its flags changed
             view.states = states
         return view
 
@@ -290,7 +292,7 @@ class SamplingBatch:
             output = states[r].output_token_ids
             n, counted = len(output), entry.counted
             if n == counted or entry.error is not None:
-                continue
+                continue  # (also every row after a request's first: one request may fill several)
             if n == counted + 1 and 0 <= output[counted] < vocab:  # one new token: the usual step
                 rows.append(entry.pen_row)
                 tokens.append(output[counted])
@@ -318,7 +320,7 @@ class SamplingBatch:
             counts.index_put_((index[0], index[1]), torch.ones((), device=self.device), accumulate=True)
         return failed
 
-    def _build_view(self, entries: list[_Entry]) -> BatchView:
+    def _build_view(self, entries: list[_Entry], key: str) -> BatchView:
         slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
         f, i, b = self._f[slots], self._i[slots], self._b[slots]
         greedy = b[:, B_GREEDY].copy()
@@ -358,7 +360,7 @@ class SamplingBatch:
             use_openai = bool((pf[:, F_FREQ] != 0.0).any() or (pf[:, F_PRES] != 0.0).any())
             pool_rows = _to(i[pen_rows, I_PEN_ROW], dev)
             view.penalties = (_to(pen_rows, dev), pool_rows, rep, freq, pres, use_rep, use_openai)
-        self._view, self._view_generation = view, self._generation
+        self._views[key] = (view, self._generation)
         return view
 
     def stop_ids(self, view: BatchView, rows: list[int]) -> torch.Tensor:

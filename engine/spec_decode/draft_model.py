@@ -22,7 +22,7 @@ import torch
 
 from pagedserve.engine.models.loader import load_model
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, load_draft_hf_config
-from pagedserve.engine.worker.flat_batch import build_flat_inputs
+from pagedserve.engine.spec_decode.flat_batch import build_flat_inputs
 from pagedserve.parallel.state import ParallelContext
 
 

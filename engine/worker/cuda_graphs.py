@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

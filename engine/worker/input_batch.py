@@ -7,11 +7,12 @@ rows that changed (new requests, appended tokens, new blocks, finished requests)
 inputs are then gathered from the matrices with a handful of vectorized numpy operations over the
 scheduled rows, in the order the runner asks for (rows never move: reordering is free).
 
-The result is exactly what `flat_batch.build_flat_inputs` builds from scratch for the same logical
-state (tests/test_input_batch.py checks it over random schedules). On CUDA the host arrays are
-written into pinned staging buffers and copied with `non_blocking=True`; before the next step
-overwrites a staging buffer it waits for the previous step's copies (an event), so an asynchronous
-copy never reads a half-written buffer. On CPU the fresh numpy arrays are wrapped without a copy.
+The result is exactly what `spec_decode.flat_batch.build_flat_inputs` (the draft model's builder)
+builds from scratch for the same logical state (tests/test_input_batch.py checks it over random
+schedules). On CUDA the host arrays are written into pinned staging buffers and copied with
+`non_blocking=True`; before the next step overwrites a staging buffer it waits for the previous step's
+copies (an event), so an asynchronous copy never reads a half-written buffer. On CPU the fresh numpy
+arrays are wrapped without a copy.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from itertools import chain
 
 import numpy as np
 import torch
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 
 _TORCH_DTYPE = {np.int32: torch.int32, np.int64: torch.int64}
 

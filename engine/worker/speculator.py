@@ -4,8 +4,9 @@ The scheduler gives a speculating decode request 1 + k slots (`SchedulerOutput.n
 holds k). Before the target's forward pass the speculator proposes up to k tokens per such request
 (n-gram lookup over the request's own tokens, or the draft model); the runner feeds
 [last token] + drafts as that request's query, and after the pass the rejection sampler turns the
-1 + m positions' logits into the accepted drafts plus one token of the target's own. Every rank
-proposes the same drafts (both proposers are deterministic), so no rank has to send them.
+1 + m positions' logits (processed by the sampler's batched logits processors, position by position)
+into the accepted drafts plus one token of the target's own. Every rank proposes the same drafts (both
+proposers are deterministic), so no rank has to send them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.draft_model import DraftModel, DraftWork
 from pagedserve.engine.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.engine.sample.logprobs import gather_logprobs
+from pagedserve.engine.sample.sampler import Sampler, SamplingState
 from pagedserve.engine.spec_decode.rejection_sampler import SpecResult, SpecRow, rejection_sample
 
 
@@ -78,25 +80,36 @@ class Speculator:
     # ------------------------------------------------------------------ verifying
 
     @staticmethod
-    def verify(logits: torch.Tensor, drafts: list[list[int]], states: list) -> tuple[list[SpecResult], list]:
+    def verify(
+        logits: torch.Tensor, drafts: list[list[int]], states: list[SamplingState], sampler: Sampler
+    ) -> tuple[list[SpecResult | None], list, dict[int, str]]:
         """`logits`: [sum(1 + m_i), V], each request's 1 + m_i positions in order; `states`: the requests'
-        SamplingStates. Returns each request's result and, for requests that asked for logprobs, the raw
-        logprob entries of every emitted token (else None)."""
+        SamplingStates. Every verified position goes through the sampler's batched logits processors
+        (position j sees the output so far plus the first j drafts). Returns each request's result and,
+        for requests that asked for logprobs, the raw logprob entries of every emitted token (else
+        None), both None for a request that failed, and index -> why for those that failed."""
         counts = [1 + len(d) for d in drafts]
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
         raw = logits.float()
-        processed = _apply_position_processors(raw, drafts, states, starts)
-        rows = [
+        processed, errors = sampler.process_positions(raw, states, drafts)
+        keep = [i for i in range(len(states)) if i not in errors]
+        if errors:  # a failed request's rows leave the batch before anything draws for the others
+            rows = [r for i in keep for r in range(starts[i], starts[i] + counts[i])]
+            processed = processed[torch.tensor(rows, dtype=torch.long, device=processed.device)]
+        spec_rows = [
             SpecRow(
-                draft_token_ids=d, greedy=s.params.greedy, temperature=float(s.params.temperature),
-                top_k=int(s.params.top_k), top_p=float(s.params.top_p), min_p=float(s.params.min_p),
-                generator=s.generator_for(logits.device),
+                draft_token_ids=drafts[i], greedy=states[i].params.greedy,
+                temperature=float(states[i].params.temperature), top_k=int(states[i].params.top_k),
+                top_p=float(states[i].params.top_p), min_p=float(states[i].params.min_p),
+                generator=states[i].generator_for(logits.device),
             )
-            for d, s in zip(drafts, states)
+            for i in keep
         ]
-        results = rejection_sample(processed, rows)
+        results: list[SpecResult | None] = [None] * len(states)
+        for i, result in zip(keep, rejection_sample(processed, spec_rows) if keep else []):
+            results[i] = result
         logprobs: list = [None] * len(states)
-        wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        wanted = [i for i in keep if states[i].params.logprobs is not None]
         if wanted:
             index, tokens, num_top, owners = [], [], [], []
             for i in wanted:
@@ -110,65 +123,4 @@ class Speculator:
                 logprobs[i] = []
             for i, entry in zip(owners, entries):
                 logprobs[i].append(entry)
-        return results, logprobs
-
-
-def _apply_position_processors(logits: torch.Tensor, drafts: list[list[int]], states: list,
-                               starts: list[int]) -> torch.Tensor:
-    """Every logits processor at every verified position, in the sampler's order: allowed_token_ids,
-    logit_bias, min_tokens, bad_words, repetition penalty, frequency/presence penalties. Position j of a
-    request sees the output as the plain sampler would at that token: the output so far followed by
-    the first j drafts (min_tokens counts them, bad words match against them, penalties count them)."""
-    out = logits
-    for i, state in enumerate(states):
-        params = state.params
-        first, n, d = starts[i], 1 + len(drafts[i]), drafts[i]
-        below_min = max(0, min(n, params.min_tokens - len(state.output_token_ids)))
-        penalized = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-        if (params.allowed_token_ids is None and not params.logit_bias and not below_min
-                and not state.bad_words_token_ids and not penalized):
-            continue
-        if out is logits:
-            out = logits.clone()
-        rows = out[first : first + n]
-        vocab, device = rows.shape[1], rows.device
-        if params.allowed_token_ids is not None:
-            keep = torch.full((vocab,), float("-inf"), device=device)
-            keep[torch.tensor(params.allowed_token_ids, device=device)] = 0.0
-            rows += keep
-        if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias), device=device)
-            rows[:, ids] += torch.tensor(list(params.logit_bias.values()), device=device, dtype=rows.dtype)
-        if below_min:
-            blocked = sorted(t for t in set(state.eos_token_ids) | set(params.stop_token_ids or ()) if 0 <= t < vocab)
-            if blocked:
-                rows[:below_min, torch.tensor(blocked, device=device)] = float("-inf")
-        if state.bad_words_token_ids:
-            for j in range(n):
-                banned = [t for t in state.bad_words_trie.banned(state.output_token_ids, d[:j]) if 0 <= t < vocab]
-                if banned:
-                    rows[j, torch.tensor(banned, device=device)] = float("-inf")
-        if penalized:
-            rows.copy_(_penalize(rows, state, d))
-    return out
-
-
-def _penalize(rows: torch.Tensor, state, drafts: list[int]) -> torch.Tensor:
-    """HF repetition penalty over prompt + output, then OpenAI frequency/presence penalties over the
-    output, where position j's output also holds the first j drafts."""
-    params, (n, vocab), device = state.params, rows.shape, rows.device
-    output = torch.tensor(state.output_token_ids, dtype=torch.long, device=device)
-    base = torch.bincount(output, minlength=vocab)[:vocab].to(rows.dtype)
-    counts = base.repeat(n, 1)
-    for j, token in enumerate(drafts):
-        counts[j + 1 :, token] += 1
-    present = counts > 0
-    x = rows
-    if params.repetition_penalty != 1.0:
-        prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        prompt_seen[torch.tensor(state.prompt_token_ids, dtype=torch.long, device=device)] = True
-        rep = params.repetition_penalty
-        x = torch.where(present | prompt_seen, torch.where(x > 0, x / rep, x * rep), x)
-    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-        x = x - params.frequency_penalty * counts - params.presence_penalty * present.to(x.dtype)
-    return x
+        return results, logprobs, errors

@@ -11,18 +11,16 @@ kernel with each combination of top-k / top-p / min-p. Nothing is written to the
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 from pagedserve.engine.sample.sampler import Sampler, SamplingState
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineConfig
 from pagedserve.parallel.pipeline import IntermediateTensors
-
-if TYPE_CHECKING:
-    from pagedserve.engine.worker.model_runner import ModelRunner
 
 # Tokens per split-K partition of the decode launcher (kernels.triton.decode_attention).
 DECODE_PARTITION_SIZE = 512
@@ -68,8 +66,22 @@ def _sampling_states(num_prompt_tokens: int = 4) -> list[SamplingState]:
     return [SamplingState.create(p, list(range(num_prompt_tokens))) for p in params]
 
 
+class WarmUpTarget(Protocol):
+    """What warm-up reads of a model runner: its model and KV cache, and where it sits in the pipeline."""
+
+    config: EngineConfig
+    model: torch.nn.Module
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    is_first_stage: bool
+    is_last_stage: bool
+    is_driver: bool
+
+
 @torch.inference_mode()
-def warm_up_kernels(runner: ModelRunner) -> None:
+def warm_up_kernels(runner: WarmUpTarget) -> None:
     """Every rank calls this at the same point (tensor-parallel collectives run inside the forward)."""
     model, device = runner.model, runner.device
     hidden_size = model.spec.hidden_size

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.worker.device_limits import check_block_size, should_warm_up
+from pagedserve.engine.device_limits import check_block_size, should_warm_up
 from pagedserve.engine.worker.model_runner import ModelRunner
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kv_transfer.rank_read import read_layers

@@ -1,8 +1,10 @@
-"""Build one forward pass's inputs: a flat, unpadded batch of token ids, positions and attention metadata.
+"""The draft model's forward-pass inputs, built from scratch: a flat, unpadded batch of token ids,
+positions and attention metadata.
 
-Shared by the target model runner and the speculative draft model (which reads and writes its own
-KV cache through the same block tables). Sequences must come decodes first (query length 1), then
-the longer chunks: the attention layers send `[:num_decode_tokens]` to the paged decode kernel.
+The draft model reads and writes its own KV cache through the target's block tables; the target's
+runner gathers its inputs from the persistent batch instead (worker/input_batch.py, whose tests use
+this builder as the reference). Sequences must come decodes first (query length 1), then the longer
+chunks: the attention layers send `[:num_decode_tokens]` to the paged decode kernel.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 
 
 def build_flat_inputs(
