@@ -1,4 +1,5 @@
-"""Speculative decoding: the config, the proposers, exact verification (rejection sampling), the counters."""
+"""Speculative decoding: the config, the proposers, exact verification (rejection sampling), the
+scheduler's part (scheduling.py), the counters."""
 
 from pagedserve.engine.spec_decode.config import (
     SpeculativeConfig,
