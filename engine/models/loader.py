@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.engine.worker.device_limits import auto_dtype
-from pagedserve.engine.models.gguf_loader import find_gguf_file, load_gguf_weights
+from pagedserve.engine.models.gguf_config import open_reader
+from pagedserve.engine.models.gguf_loader import find_gguf_file, gguf_quant_config, load_gguf_weights
 from pagedserve.engine.models.registry import get_model_class
 from pagedserve.parallel.state import ParallelContext
 
@@ -75,24 +76,30 @@ def load_model(
     parallel: ParallelContext,
     device: str | torch.device = "cpu",
     max_position: int | None = None,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """Build the model for ``hf_config`` on ``device`` and load its weights (eval mode, no grad).
 
     ``model_path`` is a safetensors directory or a GGUF file (or a directory holding one).
     Weights of other pipeline stages are never read; sharded layers read only this
-    rank's slice through safetensors' lazy ``get_slice`` (GGUF: of the dequantized tensor). Raises ValueError for
+    rank's slice through safetensors' lazy ``get_slice`` (GGUF: of the block rows). Raises ValueError for
     weights the model does not know and for parameters the checkpoint lacks. `max_position`
     (max_model_len) sizes the RoPE cache when it exceeds max_position_embeddings (RoPE scaling).
+    `quantization` "gguf" keeps a GGUF file's block-quantized weights quantized (EngineConfig.quantization);
+    anything else loads them dequantized to ``dtype``.
     """
     model_cls = get_model_class(hf_config)
     gguf_file = find_gguf_file(model_path)
     files = [] if gguf_file is not None else checkpoint_files(model_path)
+    reader = open_reader(gguf_file) if gguf_file is not None else None
+    quant_config = gguf_quant_config(reader) if reader is not None and quantization == "gguf" else None
     with torch.device(device), torch.no_grad():
-        model = model_cls(hf_config, dtype=dtype, parallel=parallel, max_position=max_position)
+        model = model_cls(hf_config, dtype=dtype, parallel=parallel, max_position=max_position,
+                          quant_config=quant_config)
     loaded: set[str] = set()
     with torch.no_grad():
         if gguf_file is not None:
-            loaded = load_gguf_weights(model, gguf_file, hf_config, dtype, progress=parallel.rank == 0)
+            loaded = load_gguf_weights(model, gguf_file, hf_config, dtype, progress=parallel.rank == 0, reader=reader)
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 names = [n for n in f.keys() if model.weight_on_stage(n)]
