@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagedserve.engine.worker.device_limits import auto_dtype
+from pagedserve.engine.worker.device_limits import auto_dtype, cpu_has_native_bf16
 from pagedserve.engine.models.gguf_config import open_reader
 from pagedserve.engine.models.gguf_loader import find_gguf_file, gguf_quant_config, load_gguf_weights
 from pagedserve.engine.models.registry import get_model_class
@@ -27,10 +27,11 @@ _DTYPES: dict[str, torch.dtype] = {
 
 def resolve_dtype(dtype: str, hf_config: Any, device: str | torch.device = "cpu") -> torch.dtype:
     """"auto" -> the checkpoint's dtype from the config (float32 if absent), run as bf16/fp16 on CUDA
-    when that is float32 (device_limits.auto_dtype); else a named dtype."""
+    and as bf16 on a CPU with native bf16 matmuls when that is float32 (device_limits.auto_dtype); else a
+    named dtype."""
     if dtype == "auto":
         device_type = torch.device(device).type
-        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
+        bf16 = torch.cuda.is_bf16_supported() if device_type == "cuda" else cpu_has_native_bf16()
         return auto_dtype(_checkpoint_dtype(hf_config), device_type, bf16)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
