@@ -39,6 +39,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "Q8_0 weights quantized ('gguf'); 'none' dequantizes them to --dtype at load")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--cpu-threads", type=int,
+                        help="torch threads per worker (default: every core; in a Ray actor, the CPUs it reserved)")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--max-num-seqs", type=int)

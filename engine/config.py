@@ -121,6 +121,10 @@ class EngineConfig(BaseModel):
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     num_cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per Ray worker rank.")
+    # torch threads of each worker (rank): torch.set_num_threads in the worker. None: torch's default in a
+    # plain process (every core); in a Ray actor the CPUs Ray reserved for it (num_cpus_per_worker for a rank,
+    # num_cpus_per_engine for an engine replica), whatever OMP_NUM_THREADS the actor inherited.
+    cpu_threads: int | None = Field(default=None, ge=1)
     placement_timeout_s: float = Field(default=300.0, gt=0, description="Longest wait for a busy cluster to offer "
                                        "the ranks' placement group (a layout it can never hold fails at once).")
     # Set by the cluster layer for a rank/engine that shares its node with others (its CPU share of the node):
