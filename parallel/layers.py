@@ -7,7 +7,7 @@ a GGUF `QuantizedWeight`); the loader slices out only this rank's shard before
 reading, so a rank never materialises the full weight.
 
 A layer built with ``qtype`` (a GGUF quant type, see `parallel.quant`) keeps its
-weight quantized: uint8 block rows [rows, in_features / 32 * block bytes], sliced
+weight quantized: uint8 block rows [rows, in_features / block * block bytes], sliced
 by rows (column-parallel, vocabulary shards) or by whole blocks along the input
 (row-parallel), multiplied by `kernels.gguf_linear`. Without ``qtype`` a quantized
 checkpoint tensor is dequantized (this rank's slice only) into the float weight.
@@ -23,7 +23,8 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.parallel.communication import tp_all_gather, tp_all_reduce
-from pagedserve.parallel.quant import QUANT_BLOCK, QuantizedWeight, quantized_param_shape
+from pagedserve.kernels.torch_impl.gguf_quant import block_elements
+from pagedserve.parallel.quant import QuantizedWeight, quantized_param_shape
 from pagedserve.parallel.state import ParallelContext
 
 WeightLoader = Callable[..., None]
@@ -239,11 +240,12 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_rank = _divide(input_size, parallel.tp_size, "input_size")
-        if qtype is not None and self.input_size_per_rank % QUANT_BLOCK:
+        if qtype is not None and self.input_size_per_rank % block_elements(qtype):
+            block = block_elements(qtype)
             raise ValueError(
-                f"tensor_parallel_size: {parallel.tp_size} would split the {QUANT_BLOCK}-element {qtype} blocks of a "
+                f"tensor_parallel_size: {parallel.tp_size} would split the {block}-element {qtype} blocks of a "
                 f"row-parallel weight (input_size {input_size}, {self.input_size_per_rank} per rank); use a TP size "
-                f"that divides {input_size // QUANT_BLOCK}, or quantization='none' to load the weights dequantized"
+                f"that divides {input_size // block}, or quantization='none' to load the weights dequantized"
             )
         self.reduce_results = reduce_results
         self.qtype = qtype

@@ -3,8 +3,9 @@
 `GGUFQuantConfig` says which checkpoint weights stay quantized (vLLM's ``quant_config``); a layer built
 with a ``qtype`` holds its weight as uint8 rows of llama.cpp blocks and multiplies through
 `kernels.gguf_linear`. `QuantizedWeight` is a checkpoint tensor as the GGUF loader hands it over: raw
-block rows read lazily, sliced by whole rows (column-parallel, vocabulary shards) or by whole 32-element
-blocks along the input dimension (row-parallel), and dequantized only when a layer keeps float weights.
+block rows read lazily, sliced by whole rows (column-parallel, vocabulary shards) or by whole blocks
+(32 elements; 256 for the K-quants) along the input dimension (row-parallel), and dequantized only when
+a layer keeps float weights.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedserve.kernels.torch_impl.gguf_quant import GGUF_QUANT_TYPES, QK, dequantize_gguf, row_bytes
+from pagedserve.kernels.torch_impl.gguf_quant import GGUF_QUANT_TYPES, block_elements, dequantize_gguf, row_bytes
 
 logger = logging.getLogger(__name__)
-
-QUANT_BLOCK = QK  # elements per quant block along a weight's input dimension
 
 
 @dataclass(frozen=True)
@@ -70,10 +69,11 @@ class QuantizedWeight:
         c0, c1, cstep = cols.indices(self.shape[1])
         if rstep != 1 or cstep != 1:
             raise ValueError("QuantizedWeight: only contiguous slices are supported")
-        if c0 % QUANT_BLOCK or c1 % QUANT_BLOCK:
+        elements = block_elements(self.qtype)
+        if c0 % elements or c1 % elements:
             return self[r0:r1].dequantize(torch.float32)[:, c0:c1]
         bb = GGUF_QUANT_TYPES[self.qtype][1]
-        raw = self.raw[r0:r1, c0 // QUANT_BLOCK * bb : c1 // QUANT_BLOCK * bb]
+        raw = self.raw[r0:r1, c0 // elements * bb : c1 // elements * bb]
         return QuantizedWeight(raw, self.qtype, (max(r1 - r0, 0), max(c1 - c0, 0)))
 
     def take_rows(self, order: np.ndarray) -> QuantizedWeight:

@@ -41,6 +41,9 @@ from tests.test_models_parity import assert_parity, run_paged  # noqa: E402
 
 NEAR_TIE = 1e-4
 MAX_NEW = 8
+# Types with 32-element blocks, which the gguf package writes and the tiny 64-wide model holds; the
+# K-quants (256-element super-blocks) get a wider model of their own below.
+BLOCK_32_TYPES = [q for q in QUANTIZED_TYPES if not q.endswith("_K")]
 
 
 def hf_from_gguf(path):
@@ -62,7 +65,7 @@ def linears(model) -> dict[str, torch.nn.Module]:
             "down": layer.mlp.down_proj, "embed": model.model.embed_tokens, "lm_head": model.lm_head}
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
+@pytest.mark.parametrize("qtype", BLOCK_32_TYPES)
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])
 def test_quantized_model_keeps_blocks_and_matches_hf_logits(tmp_path, qtype, arch, tied):
     path = tmp_path / "m.gguf"
@@ -93,7 +96,7 @@ def greedy_or_near_tie(hf, prompt: list[int], ours: list[int]) -> None:
         ids.append(token)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
+@pytest.mark.parametrize("qtype", BLOCK_32_TYPES)
 def test_engine_greedy_parity_with_hf_in_float32(tmp_path, tokenizer_dir, qtype):
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", hf_weights("llama", tied=qtype != "Q8_0", seed=3), qtype)
@@ -258,3 +261,73 @@ def test_quantization_flags_reach_the_engine_config(tiny_llama):
     common.add_engine_args(parser)
     assert common.engine_kwargs(parser.parse_args(["-q", "none"]))["quantization"] == "none"
     assert "quantization" not in common.engine_kwargs(parser.parse_args([]))
+
+
+def write_k_quant_gguf(path, qtypes: dict[str, str], seed: int = 0) -> None:
+    """A Llama GGUF wide enough for 256-element super-blocks (hidden 256, MLP 512), its matrices in the
+    K-quant ``qtypes[kind]`` (kind: a llama.cpp tensor name's last part, "*" for the rest): random blocks,
+    as the `gguf` package cannot quantize K-quants (HF dequantizes the same file as the oracle)."""
+    from tests.kernels.kernels_testutil import k_quant_blocks
+
+    hidden, heads, kv_heads, inter, vocab, layers = 256, 4, 2, 512, VOCAB, 2
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)
+    head = hidden // heads
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        kind = name.split(".")[-2]
+        qtype = gguf.GGMLQuantizationType[qtypes.get(kind, qtypes["*"])]
+        writer.add_tensor(name, k_quant_blocks(qtype.name, rows, cols, rng), raw_dtype=qtype)
+
+    matrix("token_embd.weight", vocab, hidden)
+    writer.add_tensor("output_norm.weight", (1 + 0.05 * rng.standard_normal(hidden)).astype(np.float32))
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.05 * rng.standard_normal(hidden)).astype(np.float32))
+        matrix(f"blk.{i}.attn_q.weight", heads * head, hidden)
+        matrix(f"blk.{i}.attn_k.weight", kv_heads * head, hidden)
+        matrix(f"blk.{i}.attn_v.weight", kv_heads * head, hidden)
+        matrix(f"blk.{i}.attn_output.weight", hidden, heads * head)
+        matrix(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", inter, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, inter)
+    finish(writer)
+
+
+@pytest.mark.parametrize("qtypes", [{"*": "Q4_K"}, {"*": "Q5_K"}, {"*": "Q6_K"},
+                                    {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"}],  # like Q4_K_M
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q4_K_M-like"])
+def test_k_quant_model_matches_hf_logits(tmp_path, qtypes):
+    path = tmp_path / "k.gguf"
+    write_k_quant_gguf(path, qtypes)
+    config = EngineConfig(model=str(path)).resolve()
+    assert config.quantization == "gguf"
+    model = load_model(str(path), config.hf_config, torch.float32, ParallelContext.single(), quantization="gguf")
+    layers = linears(model)
+    assert layers["down"].qtype == qtypes.get("ffn_down", qtypes["*"]) and layers["embed"].qtype == qtypes["*"]
+    assert layers["qkv"].qtype == (None if "attn_v" in qtypes else qtypes["*"])  # mixed q/k/v: dequantized
+    reference = hf_paged_reference(hf_from_gguf(path), VOCAB)
+    assert_parity(run_paged(model), reference)
+    dense = load_model(str(path), config.hf_config, torch.float32, ParallelContext.single(), quantization="none")
+    assert_parity(run_paged(dense), reference)
+
+
+def test_k_quant_tensor_parallel_needs_whole_super_blocks(tmp_path):
+    path = tmp_path / "k.gguf"
+    write_k_quant_gguf(path, {"*": "Q4_K"})
+    hf_config = EngineConfig(model=str(path)).resolve().hf_config
+    ctx = ParallelContext(rank=0, world_size=2, tp_rank=0, tp_size=2, pp_rank=0, pp_size=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 would split the 256-element Q4_K blocks"):
+        load_model(str(path), hf_config, torch.float32, ctx, quantization="gguf")  # o_proj: 128 inputs per rank
+    model = load_model(str(path), hf_config, torch.float32, ctx, quantization="none")
+    assert model.model.layers[0].self_attn.o_proj.weight.shape == (256, 128)

@@ -26,7 +26,7 @@ from pagedserve.parallel.quant import GGUFQuantConfig, QuantizedWeight
 logger = logging.getLogger(__name__)
 
 # Block-quantized types the layers can keep quantized (GGMLQuantizationType names).
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # Every type a GGUF file may use here: floats, and the quantized ones.
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *QUANTIZED_TYPES)
 

@@ -1,8 +1,9 @@
-// y = x W^T for a weight kept in llama.cpp's GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+// y = x W^T for a weight kept in llama.cpp's GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the
+// K-quants Q4_K, Q5_K, Q6_K).
 //
 // Decode on a CPU is bound by the bytes of weight it streams per step; keeping W quantized (4.5 to 8.5
-// bits a weight instead of 32) is the point. W is a uint8 tensor [N, K / 32 * block_bytes], rows of
-// 32-element blocks exactly as the file stores them (see kernels/torch_impl/gguf_quant.py for the formats).
+// bits a weight instead of 32) is the point. W is a uint8 tensor [N, K / block * block_bytes], rows of
+// blocks exactly as the file stores them (see kernels/torch_impl/gguf_quant.py for the formats).
 //
 // Few rows of x (decode batches): each output row n dequantizes W's row n block by block into registers
 // (two 16-float vectors per block) and multiplies it into up to four rows of x at once; more rows of x take
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -40,7 +42,7 @@ constexpr int64_t kInlineWork = 1 << 16;
 // A prefill tile of W holds at most this many elements (x's dtype): it stays in L2 while at::mm reads it.
 constexpr int64_t kTileElements = 1 << 18;
 
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 inline float f16(const uint8_t* p) {
   uint16_t bits;
@@ -93,8 +95,8 @@ struct Block;
 
 template <>
 struct Block<Q4_0> {
-  static constexpr int64_t kBytes = 18;
-  static inline void dequant(const uint8_t* b, vec16& lo, vec16& hi) {
+  static constexpr int64_t kBytes = 18, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
     const float d = f16(b);
     const u8x16 q = load_u8x16(b + 2);
     lo = (to_float(q & 0x0F) - 8.f) * d;
@@ -104,8 +106,8 @@ struct Block<Q4_0> {
 
 template <>
 struct Block<Q4_1> {
-  static constexpr int64_t kBytes = 20;
-  static inline void dequant(const uint8_t* b, vec16& lo, vec16& hi) {
+  static constexpr int64_t kBytes = 20, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
     const float d = f16(b), m = f16(b + 2);
     const u8x16 q = load_u8x16(b + 4);
     lo = to_float(q & 0x0F) * d + m;
@@ -115,8 +117,8 @@ struct Block<Q4_1> {
 
 template <>
 struct Block<Q5_0> {
-  static constexpr int64_t kBytes = 22;
-  static inline void dequant(const uint8_t* b, vec16& lo, vec16& hi) {
+  static constexpr int64_t kBytes = 22, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
     const float d = f16(b);
     const u8x16 q = load_u8x16(b + 6);
     const u32x16 l = __builtin_convertvector(q & 0x0F, u32x16) | high_bits(b + 2, 0);
@@ -128,8 +130,8 @@ struct Block<Q5_0> {
 
 template <>
 struct Block<Q5_1> {
-  static constexpr int64_t kBytes = 24;
-  static inline void dequant(const uint8_t* b, vec16& lo, vec16& hi) {
+  static constexpr int64_t kBytes = 24, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
     const float d = f16(b), m = f16(b + 2);
     const u8x16 q = load_u8x16(b + 8);
     const u32x16 l = __builtin_convertvector(q & 0x0F, u32x16) | high_bits(b + 4, 0);
@@ -141,13 +143,78 @@ struct Block<Q5_1> {
 
 template <>
 struct Block<Q8_0> {
-  static constexpr int64_t kBytes = 34;
-  static inline void dequant(const uint8_t* b, vec16& lo, vec16& hi) {
+  static constexpr int64_t kBytes = 34, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
     const float d = f16(b);
     lo = to_float_signed(load_u8x16(b + 2)) * d;
     hi = to_float_signed(load_u8x16(b + 18)) * d;
   }
 };
+
+// K-quants: a 256-element super-block of eight 32-element sub-blocks; `i` picks the sub-block.
+// Q4_K / Q5_K: sub-block i's 6-bit scale and min from the 12 packed bytes (llama.cpp's get_scale_min_k4).
+inline void scale_min_k4(const uint8_t* s, int64_t i, float& sc, float& mn) {
+  if (i < 4) {
+    sc = static_cast<float>(s[i] & 63);
+    mn = static_cast<float>(s[i + 4] & 63);
+  } else {
+    sc = static_cast<float>((s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4));
+    mn = static_cast<float>((s[i + 4] >> 4) | ((s[i] >> 6) << 4));
+  }
+}
+
+template <>
+struct Block<Q4_K> {
+  static constexpr int64_t kBytes = 144, kElements = 256;
+  static inline void dequant(const uint8_t* b, int64_t i, vec16& lo, vec16& hi) {
+    float sc, mn;
+    scale_min_k4(b + 4, i, sc, mn);
+    const float d = f16(b) * sc, m = f16(b + 2) * mn;
+    const uint8_t* q = b + 16 + 32 * (i / 2);
+    const int shift = static_cast<int>(4 * (i % 2));
+    lo = to_float((load_u8x16(q) >> shift) & 0x0F) * d - m;
+    hi = to_float((load_u8x16(q + 16) >> shift) & 0x0F) * d - m;
+  }
+};
+
+template <>
+struct Block<Q5_K> {
+  static constexpr int64_t kBytes = 176, kElements = 256;
+  static inline void dequant(const uint8_t* b, int64_t i, vec16& lo, vec16& hi) {
+    float sc, mn;
+    scale_min_k4(b + 4, i, sc, mn);
+    const float d = f16(b) * sc, m = f16(b + 2) * mn;
+    const int bit = static_cast<int>(i), shift = static_cast<int>(4 * (i % 2));
+    const u8x16 h0 = ((load_u8x16(b + 16) >> bit) & 1) << 4, h1 = ((load_u8x16(b + 32) >> bit) & 1) << 4;
+    const uint8_t* q = b + 48 + 32 * (i / 2);
+    lo = to_float(((load_u8x16(q) >> shift) & 0x0F) | h0) * d - m;
+    hi = to_float(((load_u8x16(q + 16) >> shift) & 0x0F) | h1) * d - m;
+  }
+};
+
+template <>
+struct Block<Q6_K> {
+  static constexpr int64_t kBytes = 210, kElements = 256;
+  static inline void dequant(const uint8_t* b, int64_t i, vec16& lo, vec16& hi) {
+    const int64_t half = i / 4, k = i % 4;
+    const uint8_t* ql = b + 64 * half + 32 * (k % 2);
+    const uint8_t* qh = b + 128 + 32 * half;
+    const int lshift = static_cast<int>(4 * (k / 2)), hshift = static_cast<int>(2 * k);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * k;  // one scale per 16
+    const float d = f16(b + 208);
+    const u8x16 q0 = ((load_u8x16(ql) >> lshift) & 0x0F) | (((load_u8x16(qh) >> hshift) & 3) << 4);
+    const u8x16 q1 = ((load_u8x16(ql + 16) >> lshift) & 0x0F) | (((load_u8x16(qh + 16) >> hshift) & 3) << 4);
+    lo = (to_float(q0) - 32.f) * (d * sc[0]);
+    hi = (to_float(q1) - 32.f) * (d * sc[1]);
+  }
+};
+
+// 32-element sub-block sb of a row (a block of the simple types, a slice of a K-quant super-block).
+template <int64_t QT>
+inline void sub_block(const uint8_t* row, int64_t sb, vec16& lo, vec16& hi) {
+  constexpr int64_t per = Block<QT>::kElements / kBlock;
+  Block<QT>::dequant(row + (sb / per) * Block<QT>::kBytes, sb % per, lo, hi);
+}
 
 // out[m, n] for MT (1-4) rows of x and NR rows of W from n, each block dequantized once into registers and
 // multiplied into every row of x; NR independent rows keep the FMA units busy and share the loads of x.
@@ -158,7 +225,7 @@ inline void rows_fused(const float* x, int64_t K, const uint8_t* w, int64_t row_
   vec16 acc_lo[NR][MT] = {}, acc_hi[NR][MT] = {};
   for (int64_t b = 0; b < nb; ++b) {
     vec16 lo[NR], hi[NR];
-    for (int r = 0; r < NR; ++r) Block<QT>::dequant(w + (n + r) * row_bytes + b * Block<QT>::kBytes, lo[r], hi[r]);
+    for (int r = 0; r < NR; ++r) sub_block<QT>(w + (n + r) * row_bytes, b, lo[r], hi[r]);
     for (int m = 0; m < MT; ++m) {
       const vec16 x0 = load16(x + m * K + b * kBlock), x1 = load16(x + m * K + b * kBlock + 16);
       for (int r = 0; r < NR; ++r) {
@@ -199,7 +266,7 @@ template <int64_t QT>
 inline void dequant_row(const uint8_t* row, int64_t K, float* dst) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     vec16 lo, hi;
-    Block<QT>::dequant(row + b * Block<QT>::kBytes, lo, hi);
+    sub_block<QT>(row, b, lo, hi);
     store16(dst + b * kBlock, lo);
     store16(dst + b * kBlock + 16, hi);
   }
@@ -261,7 +328,7 @@ void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, in
       T* out = dst + (n - n0) * K;
       for (int64_t b = 0; b < nb; ++b) {
         vec16 lo, hi;
-        Block<QT>::dequant(row + b * Block<QT>::kBytes, lo, hi);
+        sub_block<QT>(row, b, lo, hi);
         store_out(out + b * kBlock, lo);
         store_out(out + b * kBlock + 16, hi);
       }
@@ -304,24 +371,28 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, int64_t N) {
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-int64_t block_bytes(int64_t qtype) {
+// (bytes, elements) of one block of qtype.
+std::pair<int64_t, int64_t> block_shape(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: return Block<Q4_0>::kBytes;
-    case Q4_1: return Block<Q4_1>::kBytes;
-    case Q5_0: return Block<Q5_0>::kBytes;
-    case Q5_1: return Block<Q5_1>::kBytes;
-    case Q8_0: return Block<Q8_0>::kBytes;
+#define PAGEDSERVE_SHAPE(T) \
+  case T:                   \
+    return {Block<T>::kBytes, Block<T>::kElements};
+    PAGEDSERVE_SHAPE(Q4_0) PAGEDSERVE_SHAPE(Q4_1) PAGEDSERVE_SHAPE(Q5_0) PAGEDSERVE_SHAPE(Q5_1)
+    PAGEDSERVE_SHAPE(Q8_0) PAGEDSERVE_SHAPE(Q4_K) PAGEDSERVE_SHAPE(Q5_K) PAGEDSERVE_SHAPE(Q6_K)
+#undef PAGEDSERVE_SHAPE
     default: TORCH_CHECK(false, "gguf_linear (CPU op): unsupported GGML quant type ", qtype);
   }
-  return 0;
+  return {0, 0};
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gguf_linear (CPU op): tensors must be on the CPU");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, "gguf_linear: weight must be uint8 [N, bytes]");
-  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0, "gguf_linear: in_features must be a multiple of 32");
+  const auto [bytes, elements] = block_shape(qtype);
+  TORCH_CHECK(in_features > 0 && in_features % elements == 0, "gguf_linear: in_features must be a multiple of ",
+              elements);
   TORCH_CHECK(x.size(-1) == in_features, "gguf_linear: x has ", x.size(-1), " features, the weight ", in_features);
-  TORCH_CHECK(weight.size(1) == in_features / kBlock * block_bytes(qtype),
+  TORCH_CHECK(weight.size(1) == in_features / elements * bytes,
               "gguf_linear: weight rows of ", weight.size(1), " bytes do not hold ", in_features, " elements");
   const at::Tensor w = weight.contiguous();
   const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
@@ -332,7 +403,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
     case Q4_1: out = run<Q4_1>(x2, w, N); break;
     case Q5_0: out = run<Q5_0>(x2, w, N); break;
     case Q5_1: out = run<Q5_1>(x2, w, N); break;
-    default: out = run<Q8_0>(x2, w, N); break;
+    case Q8_0: out = run<Q8_0>(x2, w, N); break;
+    case Q4_K: out = run<Q4_K>(x2, w, N); break;
+    case Q5_K: out = run<Q5_K>(x2, w, N); break;
+    default: out = run<Q6_K>(x2, w, N); break;
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;

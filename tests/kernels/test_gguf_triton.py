@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("gguf")
 
-from test_gguf_quant import QTYPES, close, quantized, reference  # noqa: E402
+from test_gguf_quant import QTYPES, close, quantized, reference, width  # noqa: E402
 
 from pagedserve.kernels.torch_impl.gguf_quant import gguf_linear_torch  # noqa: E402
 from pagedserve.kernels.triton.gguf_linear import gguf_linear_triton  # noqa: E402
@@ -20,7 +20,7 @@ from pagedserve.kernels.triton.gguf_linear import gguf_linear_triton  # noqa: E4
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_triton_gguf_linear_matches_twin(qtype, m):
-    n, k = 70, 64  # two BLOCK_N tiles, the second mostly masked; M=17 spans two BLOCK_M tiles
+    n, k = 70, width(qtype, 64)  # two BLOCK_N tiles, the second mostly masked; M=17 spans two BLOCK_M tiles
     raw, deq = quantized(qtype, n, k, seed=m)
     x = torch.randn(m, k)
     out = gguf_linear_triton(x, raw, qtype, k)
@@ -29,10 +29,11 @@ def test_triton_gguf_linear_matches_twin(qtype, m):
     torch.testing.assert_close(out, gguf_linear_torch(x, raw, qtype, k), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0", "Q5_K", "Q6_K"])
 def test_triton_gguf_linear_bf16(qtype):
-    raw, deq = quantized(qtype, 33, 96)
-    x = torch.randn(2, 2, 96).to(torch.bfloat16)
-    out = gguf_linear_triton(x, raw, qtype, 96)
+    k = width(qtype, 96)
+    raw, deq = quantized(qtype, 33, k)
+    x = torch.randn(2, 2, k).to(torch.bfloat16)
+    out = gguf_linear_triton(x, raw, qtype, k)
     assert out.shape == (2, 2, 33) and out.dtype == torch.bfloat16
-    close(out.reshape(4, 33), reference(x.reshape(4, 96), deq), torch.bfloat16)
+    close(out.reshape(4, 33), reference(x.reshape(4, k), deq), torch.bfloat16)
