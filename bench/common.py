@@ -32,6 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--seed", type=int, default=0, help="workload and engine seed")
+    group.add_argument("--cpu-threads", type=int, default=None,
+                       help="torch threads of the engine's worker (default: torch's, every core)")
+    group.add_argument("--quantization", "-q", choices=["auto", "gguf", "none"], default=None,
+                       help="'none' runs a quantized GGUF file dequantized (default auto: quantized)")
     group.add_argument("--async-scheduling", action="store_true", default=None,
                        help="schedule the next step while this one runs (EngineConfig.async_scheduling)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -54,7 +58,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keywords for the engine flags the user set."""
     kwargs: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "seed": ns.seed}
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-                 "speculative_config", "async_scheduling"):
+                 "speculative_config", "async_scheduling", "quantization", "cpu_threads"):
         value = getattr(ns, name, None)
         if value is not None:
             kwargs[name] = value

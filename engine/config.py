@@ -91,6 +91,10 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = "auto"
+    # Weight-only quantization (vLLM's name). "auto": a GGUF file with block-quantized weights (Q4_0, Q4_1,
+    # Q5_0, Q5_1, Q8_0) keeps them quantized in memory and multiplies with dequantizing kernels ("gguf");
+    # "none" (or None) dequantizes them to `dtype` at load. resolve() leaves "gguf" or "none".
+    quantization: Literal["auto", "gguf", "none"] | None = "auto"
     seed: int = Field(default=0, ge=SEED_MIN, le=SEED_MAX)  # seeds torch and the sampler's shared generator
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
@@ -117,6 +121,10 @@ class EngineConfig(BaseModel):
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     num_cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per Ray worker rank.")
+    # torch threads of each worker (rank): torch.set_num_threads in the worker. None: torch's default in a
+    # plain process (every core); in a Ray actor the CPUs Ray reserved for it (num_cpus_per_worker for a rank,
+    # num_cpus_per_engine for an engine replica), whatever OMP_NUM_THREADS the actor inherited.
+    cpu_threads: int | None = Field(default=None, ge=1)
     placement_timeout_s: float = Field(default=300.0, gt=0, description="Longest wait for a busy cluster to offer "
                                        "the ranks' placement group (a layout it can never hold fails at once).")
     # Set by the cluster layer for a rank/engine that shares its node with others (its CPU share of the node):
@@ -235,20 +243,28 @@ class EngineConfig(BaseModel):
         limits (max_model_len, token budget)."""
         from transformers import AutoConfig
 
-        from pagedserve.engine.models.gguf_config import gguf_hf_config
-        from pagedserve.engine.models.gguf_loader import find_gguf_file
+        from pagedserve.engine.models.gguf_config import gguf_hf_config, open_reader
+        from pagedserve.engine.models.gguf_loader import find_gguf_file, has_quantized_weights
 
         if not os.path.exists(self.model):
             raise ValueError(f"model: {self.model!r} does not exist (pagedserve loads a local HF-format folder "
                              "or a GGUF file)")
         gguf_file = find_gguf_file(self.model)
+        quantization = "none" if self.quantization in (None, "none") else self.quantization
         if gguf_file is not None:
-            hf_config = gguf_hf_config(gguf_file)
+            reader = open_reader(gguf_file)
+            hf_config = gguf_hf_config(gguf_file, reader)
+            if quantization == "auto":
+                quantization = "gguf" if has_quantized_weights(reader) else "none"
+        elif quantization == "gguf":
+            raise ValueError(f"quantization: 'gguf' needs a GGUF model file, and {self.model!r} is not one")
         elif not os.path.isdir(self.model):
             raise ValueError(f"model: {self.model!r} is neither a directory nor a .gguf file (pagedserve loads a "
                              "local HF-format folder or a GGUF file)")
         else:
             hf_config = AutoConfig.from_pretrained(self.model)
+        if quantization == "auto":
+            quantization = "none"
         check_block_size(self.block_size, self.resolved_device)
         max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
         max_model_len = self.max_model_len or max_pos
@@ -272,7 +288,8 @@ class EngineConfig(BaseModel):
             from pagedserve.engine.spec_decode.config import check_draft_compatible, load_draft_hf_config
 
             check_draft_compatible(spec, hf_config, load_draft_hf_config(spec))
-        update = dict(hf_config=hf_config, max_model_len=max_model_len, max_num_batched_tokens=budget)
+        update = dict(hf_config=hf_config, max_model_len=max_model_len, max_num_batched_tokens=budget,
+                      quantization=quantization)
         return self.model_copy(update=update)
 
 

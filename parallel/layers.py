@@ -2,9 +2,15 @@
 
 Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``
 attribute. ``loaded_weight`` is the full checkpoint tensor *or* a lazy handle
-that supports ``get_shape()`` and slicing (a safetensors ``get_slice`` result);
-the loader slices out only this rank's shard before reading, so a rank never
-materialises the full weight.
+that supports ``get_shape()`` and slicing (a safetensors ``get_slice`` result,
+a GGUF `QuantizedWeight`); the loader slices out only this rank's shard before
+reading, so a rank never materialises the full weight.
+
+A layer built with ``qtype`` (a GGUF quant type, see `parallel.quant`) keeps its
+weight quantized: uint8 block rows [rows, in_features / block * block bytes], sliced
+by rows (column-parallel, vocabulary shards) or by whole blocks along the input
+(row-parallel), multiplied by `kernels.gguf_linear`. Without ``qtype`` a quantized
+checkpoint tensor is dequantized (this rank's slice only) into the float weight.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve import kernels
 from pagedserve.parallel.communication import tp_all_gather, tp_all_reduce
+from pagedserve.kernels.torch_impl.gguf_quant import block_elements
+from pagedserve.parallel.quant import QuantizedWeight, quantized_param_shape
 from pagedserve.parallel.state import ParallelContext
 
 WeightLoader = Callable[..., None]
@@ -37,10 +46,21 @@ def _read(w: Any, dim: int | None = None, start: int = 0, length: int | None = N
             raise ValueError(f"shard [{start}, {start + length}) out of range for dim {dim} of shape {shape}")
         index = tuple(slice(start, start + length) if d == dim else slice(None) for d in range(len(shape)))
     t = w[index]
-    return t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+    return t if isinstance(t, (torch.Tensor, QuantizedWeight)) else torch.as_tensor(t)
 
 
-def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+def _copy(param: torch.Tensor, loaded: torch.Tensor | QuantizedWeight, what: str, qtype: str | None = None) -> None:
+    """Copy a checkpoint shard into ``param``: quantized blocks as they are into a quantized (``qtype``)
+    parameter, dequantized into a float one."""
+    if isinstance(loaded, QuantizedWeight):
+        if qtype is None:
+            loaded = loaded.dequantize(param.dtype)
+        elif loaded.qtype != qtype:
+            raise ValueError(f"{what}: checkpoint weight is {loaded.qtype}, the layer was built for {qtype}")
+        else:
+            loaded = loaded.tensor()
+    elif qtype is not None:
+        raise ValueError(f"{what}: the layer keeps {qtype} weights but the checkpoint gives {loaded.dtype} floats")
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"{what}: checkpoint shard shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
     with torch.no_grad():
@@ -59,6 +79,21 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader: WeightLoader) -> 
     return p
 
 
+def _weight(rows: int, in_features: int, dtype: torch.dtype, qtype: str | None, loader: WeightLoader) -> nn.Parameter:
+    """A [rows, in_features] weight: floats of ``dtype``, or uint8 block rows of ``qtype``."""
+    if qtype is None:
+        return _param((rows, in_features), dtype, loader)
+    return _param(quantized_param_shape(rows, in_features, qtype), torch.uint8, loader)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qtype: str | None,
+            in_features: int) -> torch.Tensor:
+    if qtype is None:
+        return F.linear(x, weight, bias)
+    y = kernels.gguf_linear(x, weight, qtype, in_features)
+    return y if bias is None else y + bias
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split along its output rows; each rank computes its slice of y."""
 
@@ -70,6 +105,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype,
         bias: bool = False,
         gather_output: bool = False,
+        qtype: str | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
@@ -77,15 +113,19 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_rank = _divide(output_size, parallel.tp_size, "output_size")
         self.gather_output = gather_output
-        self.weight = _param((self.output_size_per_rank, input_size), dtype, self.weight_loader)
+        self.qtype = qtype
+        self.weight = _weight(self.output_size_per_rank, input_size, dtype, qtype, self.weight_loader)
         self.bias = _param((self.output_size_per_rank,), dtype, self.weight_loader) if bias else None
+
+    def _qtype_of(self, param: nn.Parameter) -> str | None:
+        return self.qtype if param is self.weight else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         n = self.output_size_per_rank
-        _copy(param, _read(loaded, 0, self.parallel.tp_rank * n, n), type(self).__name__)
+        _copy(param, _read(loaded, 0, self.parallel.tp_rank * n, n), type(self).__name__, self._qtype_of(param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = _linear(x, self.weight, self.bias, self.qtype, self.input_size)
         return tp_all_gather(y, self.parallel) if self.gather_output else y
 
 
@@ -103,10 +143,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         parallel: ParallelContext,
         dtype: torch.dtype,
         bias: bool = False,
+        qtype: str | None = None,
     ) -> None:
         for i, size in enumerate(output_sizes):
             _divide(size, parallel.tp_size, f"output_sizes[{i}]")
-        super().__init__(input_size, sum(output_sizes), parallel, dtype, bias=bias)
+        super().__init__(input_size, sum(output_sizes), parallel, dtype, bias=bias, qtype=qtype)
         self.output_sizes = list(output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -116,7 +157,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         n = self.output_sizes[shard_id] // tp
         offset = sum(self.output_sizes[:shard_id]) // tp
         shard = _read(loaded, 0, self.parallel.tp_rank * n, n)
-        _copy(param.data.narrow(0, offset, n), shard, f"{type(self).__name__}[{shard_id}]")
+        _copy(param.data.narrow(0, offset, n), shard, f"{type(self).__name__}[{shard_id}]", self._qtype_of(param))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -136,6 +177,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         parallel: ParallelContext,
         dtype: torch.dtype,
         bias: bool = False,
+        qtype: str | None = None,
     ) -> None:
         tp = parallel.tp_size
         heads_per_rank = _divide(num_heads, tp, "num_heads")
@@ -148,7 +190,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_heads_per_rank = 1
             kv_head_start = parallel.tp_rank // (tp // num_kv_heads)
         per_rank = (heads_per_rank + 2 * kv_heads_per_rank) * head_size
-        super().__init__(hidden_size, per_rank * tp, parallel, dtype, bias=bias)
+        super().__init__(hidden_size, per_rank * tp, parallel, dtype, bias=bias, qtype=qtype)
         self.head_size = head_size
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -169,7 +211,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         shard = _read(loaded, 0, start, n)
-        _copy(param.data.narrow(0, offset, n), shard, f"{type(self).__name__}[{shard_id}]")
+        _copy(param.data.narrow(0, offset, n), shard, f"{type(self).__name__}[{shard_id}]", self._qtype_of(param))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split this rank's fused output into (q, k, v)."""
@@ -191,25 +233,34 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype,
         bias: bool = False,
         reduce_results: bool = True,
+        qtype: str | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_rank = _divide(input_size, parallel.tp_size, "input_size")
+        if qtype is not None and self.input_size_per_rank % block_elements(qtype):
+            block = block_elements(qtype)
+            raise ValueError(
+                f"tensor_parallel_size: {parallel.tp_size} would split the {block}-element {qtype} blocks of a "
+                f"row-parallel weight (input_size {input_size}, {self.input_size_per_rank} per rank); use a TP size "
+                f"that divides {input_size // block}, or quantization='none' to load the weights dequantized"
+            )
         self.reduce_results = reduce_results
-        self.weight = _param((output_size, self.input_size_per_rank), dtype, self.weight_loader)
+        self.qtype = qtype
+        self.weight = _weight(output_size, self.input_size_per_rank, dtype, qtype, self.weight_loader)
         self.bias = _param((output_size,), dtype, self._bias_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         n = self.input_size_per_rank
-        _copy(param, _read(loaded, 1, self.parallel.tp_rank * n, n), type(self).__name__)
+        _copy(param, _read(loaded, 1, self.parallel.tp_rank * n, n), type(self).__name__, self.qtype)
 
     def _bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         _copy(param, _read(loaded), f"{type(self).__name__}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = _linear(x, self.weight, None, self.qtype, self.input_size_per_rank)
         if self.reduce_results:
             y = tp_all_reduce(y, self.parallel)
         if self.bias is not None:
@@ -225,7 +276,8 @@ class VocabParallelEmbedding(nn.Module):
     and the all-reduce assembles the full embeddings.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelContext, dtype: torch.dtype,
+                 qtype: str | None = None) -> None:
         super().__init__()
         self.parallel = parallel
         self.num_embeddings = num_embeddings
@@ -233,7 +285,9 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_rank = -(-num_embeddings // parallel.tp_size)
         self.vocab_start = parallel.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
-        self.weight = _param((self.num_embeddings_per_rank, embedding_dim), dtype, self.weight_loader)
+        self.dtype = dtype
+        self.qtype = qtype  # quantized rows: all-zero padding rows dequantize to zeros
+        self.weight = _weight(self.num_embeddings_per_rank, embedding_dim, dtype, qtype, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         rows = _shape(loaded)[0]
@@ -243,14 +297,19 @@ class VocabParallelEmbedding(nn.Module):
         with torch.no_grad():
             param.zero_()
         if n:
-            _copy(param.data.narrow(0, 0, n), _read(loaded, 0, self.vocab_start, n), type(self).__name__)
+            _copy(param.data.narrow(0, 0, n), _read(loaded, 0, self.vocab_start, n), type(self).__name__, self.qtype)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype is None:
+            return F.embedding(ids, self.weight)
+        return kernels.gguf_embedding(ids, self.weight, self.qtype, self.embedding_dim, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mask, input_ids - self.vocab_start, torch.zeros_like(input_ids))
-        out = F.embedding(local, self.weight)
+        out = self._lookup(local)
         out = out * mask.unsqueeze(-1).to(out.dtype)
         return tp_all_reduce(out, self.parallel)
 
@@ -266,9 +325,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if (embedding.num_embeddings, embedding.embedding_dim) != (self.num_embeddings, self.embedding_dim):
             raise ValueError("tied embedding and LM head must have the same vocab_size and hidden size")
         self.weight = embedding.weight
+        self.qtype = embedding.qtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = _linear(hidden, self.weight, None, self.qtype, self.embedding_dim)
         logits = tp_all_gather(logits, self.parallel)
         return logits[..., : self.num_embeddings]
 

@@ -10,6 +10,7 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.engine.config import EngineConfig, context_limit
+from pagedserve.engine import device_limits
 from pagedserve.engine.device_limits import BLOCK_SIZE_RANGE, auto_dtype, check_block_size, should_warm_up
 from pagedserve.engine.models.loader import resolve_dtype
 from pagedserve.engine.worker.warmup import warm_up_batches
@@ -50,15 +51,57 @@ def test_worker_checks_block_size_for_its_own_device(tiny_llama):
 def test_auto_dtype_runs_fp32_checkpoints_in_half_precision_on_cuda():
     assert auto_dtype(torch.float32, "cuda", bf16_supported=True) == torch.bfloat16
     assert auto_dtype(torch.float32, "cuda", bf16_supported=False) == torch.float16
-    assert auto_dtype(torch.float32, "cpu", bf16_supported=True) == torch.float32
     assert auto_dtype(torch.bfloat16, "cuda", bf16_supported=True) == torch.bfloat16
     assert auto_dtype(torch.float16, "cuda", bf16_supported=True) == torch.float16
     assert auto_dtype(torch.bfloat16, "cpu", bf16_supported=False) == torch.bfloat16
 
 
-def test_resolve_dtype_on_cpu_keeps_the_checkpoint_dtype():
+def test_resolve_dtype_on_cpu_keeps_the_checkpoint_dtype(monkeypatch):
+    monkeypatch.setattr(device_limits, "cpu_capabilities", lambda: {"avx2": True})
     assert resolve_dtype("auto", SimpleNamespace(dtype="float32"), "cpu") == torch.float32
     assert resolve_dtype("float32", SimpleNamespace(dtype="float32"), "cuda") == torch.float32
+
+
+@pytest.mark.parametrize("caps,native", [
+    ({"avx2": True}, False),  # AVX2 only: bf16 is emulated
+    ({"avx512_f": True, "avx512_bf16": False, "amx_bf16": False}, False),
+    ({"avx512_f": True, "avx512_bf16": True}, True),
+    ({"amx_tile": True, "amx_bf16": True}, True),
+])
+def test_cpu_auto_dtype_follows_native_bf16(monkeypatch, caps, native):
+    """fp32 checkpoints (GGUF files, quantized or not, count as fp32) run in bf16 only where the CPU
+    multiplies bf16 natively; bf16/fp16 checkpoints and explicit dtypes are unchanged."""
+    monkeypatch.setattr(device_limits, "cpu_capabilities", lambda: caps)
+    assert device_limits.cpu_has_native_bf16() is native
+    fp32 = torch.bfloat16 if native else torch.float32
+    assert resolve_dtype("auto", SimpleNamespace(dtype="float32"), "cpu") == fp32
+    assert resolve_dtype("auto", SimpleNamespace(), "cpu") == fp32  # GGUF configs carry no dtype
+    assert resolve_dtype("auto", SimpleNamespace(dtype="bfloat16"), "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", SimpleNamespace(dtype="float16"), "cpu") == torch.float16
+    assert resolve_dtype("float32", SimpleNamespace(dtype="float32"), "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", SimpleNamespace(dtype="float32"), "cpu") == torch.bfloat16
+
+
+def test_cpu_dtype_choice_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(device_limits, "cpu_capabilities", lambda: {"amx_bf16": True})
+    device_limits._log_choice.cache_clear()
+    with caplog.at_level("INFO", logger=device_limits.__name__):
+        for _ in range(3):
+            resolve_dtype("auto", SimpleNamespace(dtype="float32"), "cpu")
+    records = [r.getMessage() for r in caplog.records if r.name == device_limits.__name__]
+    assert len(records) == 1 and "running in bfloat16" in records[0] and "AMX" in records[0]
+
+
+def test_cpu_capabilities_fall_back_to_proc_cpuinfo(monkeypatch):
+    real = device_limits.cpu_capabilities()
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    flags = device_limits.cpu_capabilities()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    assert flags.get("avx512_bf16", False) == ("avx512_bf16" in text.split()) == bool(real.get("avx512_bf16"))
+    assert flags.get("amx_bf16", False) == ("amx_bf16" in text.split()) == bool(real.get("amx_bf16"))
 
 
 def _cfg(max_pos, **rope):

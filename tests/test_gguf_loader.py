@@ -147,7 +147,8 @@ def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(pa[name], pb[name]), name
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED_QUANT_TYPES)
+# The K-quants need 256-wide rows and cannot be written by the gguf package: tests/test_gguf_quantized.py.
+@pytest.mark.parametrize("qtype", [q for q in SUPPORTED_QUANT_TYPES if not q.endswith("_K")])
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])
 def test_each_quant_type_loads_to_the_dequantized_reference(tmp_path, qtype, arch, tied):
     path = tmp_path / "m.gguf"
@@ -194,13 +195,13 @@ def test_sharded_load_slices_after_dequantization(tmp_path, tp_rank, pp_rank):
 
 def test_unsupported_quant_type_is_refused_by_name(tmp_path):
     path = tmp_path / "k.gguf"
-    qtype = gguf.GGMLQuantizationType.Q4_K
+    qtype = gguf.GGMLQuantizationType.Q2_K
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     writer = new_writer(path, "llama")
     writer.add_tensor("token_embd.weight", np.zeros((VOCAB, 256 // block * nbytes), dtype=np.uint8), raw_dtype=qtype)
     finish(writer)
     hf_config = EngineConfig(model=str(path)).resolve().hf_config
-    with pytest.raises(ValueError, match="quant type Q4_K"):
+    with pytest.raises(ValueError, match="quant type Q2_K"):
         load_model(str(path), hf_config, torch.float32, ParallelContext.single())
 
 

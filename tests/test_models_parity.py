@@ -272,7 +272,10 @@ def test_no_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
         load_model(str(tmp_path), transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **COMMON), torch.float32, ParallelContext.single())
 
 
-def test_resolve_dtype() -> None:
+def test_resolve_dtype(monkeypatch) -> None:
+    from pagedserve.engine import device_limits
+
+    monkeypatch.setattr(device_limits, "cpu_capabilities", lambda: {})  # no native bf16: fp32 stays fp32
     cfg = transformers.LlamaConfig(**COMMON)
     cfg.dtype = torch.bfloat16
     assert resolve_dtype("auto", cfg) == torch.bfloat16

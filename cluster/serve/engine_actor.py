@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import ActorUnavailableError
 from pydantic import ValidationError
 
@@ -51,7 +52,7 @@ from pagedserve.cluster.executor.placement import (
     restrict_to_assigned_gpus,
     warn_if_gpus_short,
 )
-from pagedserve.cluster.executor.ray_utils import ensure_ray
+from pagedserve.cluster.executor.ray_utils import ensure_ray, use_reserved_cpus
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
@@ -106,6 +107,7 @@ class EngineActor:
     ) -> None:
         self.engine_index = engine_index
         restrict_to_assigned_gpus()  # before anything initialises CUDA in this process
+        use_reserved_cpus(engine_kwargs.get("cpu_threads"))
         # Identifies this incarnation of the actor: a restarted actor's counters start again from zero.
         self.incarnation = uuid.uuid4().hex
         self.engine = AsyncLLM(EngineConfig(**engine_kwargs), max_pending_requests=max_pending_requests,
@@ -156,6 +158,7 @@ class EngineActor:
             "pipeline_parallel_size": config.pipeline_parallel_size,
             "device": config.device,
             "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
             "node_id": _node_id(),
             "restarted": bool(restarted),
         }

@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.parallel.layers import MergedColumnParallelLinear, RowParallelLinear
+from pagedserve.parallel.quant import GGUFQuantConfig, qtype_of
 from pagedserve.parallel.state import ParallelContext
 
 
@@ -21,14 +22,19 @@ class GatedMLP(nn.Module):
         parallel: ParallelContext,
         dtype: torch.dtype,
         bias: bool = False,
+        quant_config: GGUFQuantConfig | None = None,
+        prefix: str = "mlp",
     ) -> None:
+        """quant_config/prefix: which of the checkpoint's ``{prefix}.{gate,up,down}_proj.weight`` stay quantized."""
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], parallel, dtype, bias=bias
+            hidden_size, [intermediate_size, intermediate_size], parallel, dtype, bias=bias,
+            qtype=qtype_of(quant_config, f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, dtype, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, dtype, bias=bias,
+                                           qtype=qtype_of(quant_config, f"{prefix}.down_proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

@@ -117,9 +117,10 @@ def config_kwargs(reader: Any) -> dict[str, Any]:
     return kwargs
 
 
-def gguf_hf_config(path: str | Path) -> Any:
-    """The HF `PretrainedConfig` a GGUF file describes (architectures set, dtype left to 'auto')."""
+def gguf_hf_config(path: str | Path, reader: Any = None) -> Any:
+    """The HF `PretrainedConfig` a GGUF file describes (architectures set, dtype left to 'auto');
+    ``reader``: the file already open."""
     from transformers import AutoConfig
 
-    kwargs = config_kwargs(open_reader(path))
+    kwargs = config_kwargs(reader if reader is not None else open_reader(path))
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)

@@ -1,11 +1,12 @@
 """Load a model from a GGUF file: find the file, map llama.cpp tensor names onto HF names, and
-stream the weights tensor by tensor, dequantized to the engine's dtype.
+stream the weights tensor by tensor.
 
-The file format and the dequantization are the `gguf` package's (`GGUFReader`,
-`gguf.quants.dequantize`); what is ours is the name mapping and undoing llama.cpp's Q/K
-permutation. Only one tensor is ever dequantized in memory at a time; tensor-parallel ranks
-slice the dequantized tensor in the layers' weight loaders, pipeline stages skip other stages'
-tensors without dequantizing them.
+The file format is the `gguf` package's (`GGUFReader`); what is ours is the name mapping, undoing
+llama.cpp's Q/K permutation, and the block formats (kernels/torch_impl/gguf_quant.py). A tensor in
+one of `QUANTIZED_TYPES` is handed to the model as a lazy `QuantizedWeight` (its raw block rows in
+the memory map): with ``quantization="gguf"`` the model's layers keep it quantized (`gguf_quant_config`
+says which), otherwise each rank dequantizes only its own slice into float weights. Pipeline stages
+skip other stages' tensors without reading them.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+import numpy as np
+
 from pagedserve.engine.models.gguf_config import PERMUTED_QK_ARCHITECTURES, gguf_architecture, open_reader
+from pagedserve.parallel.quant import GGUFQuantConfig, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-# Quant types dequantized at load time (GGMLQuantizationType names).
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# Block-quantized types the layers can keep quantized (GGMLQuantizationType names).
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Every type a GGUF file may use here: floats, and the quantized ones.
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *QUANTIZED_TYPES)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -96,6 +102,36 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
+def unpermute_order(rows: int, num_heads: int) -> np.ndarray:
+    """Row indices that undo llama.cpp's Q/K permutation (`unpermute_qk` as an index array)."""
+    return unpermute_qk(torch.arange(rows).unsqueeze(1), num_heads).squeeze(1).numpy()
+
+
+def is_quantized(tensor: Any) -> bool:
+    return tensor.tensor_type.name in QUANTIZED_TYPES
+
+
+def quantized_weight(tensor: Any) -> QuantizedWeight:
+    """A block-quantized GGUF tensor as a lazy `QuantizedWeight` over the memory map."""
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    return QuantizedWeight(tensor.data, tensor.tensor_type.name, (rows, cols))
+
+
+def gguf_quant_config(reader: Any) -> GGUFQuantConfig:
+    """The weights of the file that the layers keep quantized: HF name -> quant type."""
+    check_quant_types(reader)
+    types = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is not None and is_quantized(tensor) and len(tensor.shape) == 2:
+            types[name] = tensor.tensor_type.name
+    return GGUFQuantConfig(types)
+
+
+def has_quantized_weights(reader: Any) -> bool:
+    return any(is_quantized(t) for t in reader.tensors)
+
+
 def dequantize_tensor(tensor: Any, dtype: torch.dtype) -> torch.Tensor:
     """One GGUF tensor as a torch tensor of ``dtype`` (its own shape, rows first)."""
     from gguf import GGMLQuantizationType
@@ -115,10 +151,11 @@ def gguf_weights(
     dtype: torch.dtype,
     wanted: Callable[[str], bool] = lambda name: True,
     progress: bool = True,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every weight ``wanted`` accepts, dequantized one at a time.
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, tensor) for every weight ``wanted`` accepts: float tensors converted to ``dtype`` one at
+    a time, block-quantized 2-D ones as lazy `QuantizedWeight`s (read when a layer copies its slice).
 
-    Tensors ``wanted`` refuses (another pipeline stage's) are never dequantized.
+    Tensors ``wanted`` refuses (another pipeline stage's) are never read.
     """
     from tqdm.auto import tqdm
 
@@ -133,19 +170,20 @@ def gguf_weights(
         name = hf_tensor_name(tensor.name)
         if name is None or not wanted(name):
             continue
-        weight = dequantize_tensor(tensor, dtype)
-        if arch in PERMUTED_QK_ARCHITECTURES:
-            if ".q_proj." in name:
-                weight = unpermute_qk(weight, num_heads)
-            elif ".k_proj." in name:
-                weight = unpermute_qk(weight, num_kv_heads)
-        yield name, weight
+        heads = num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name else None
+        permuted = arch in PERMUTED_QK_ARCHITECTURES and heads is not None
+        if is_quantized(tensor) and len(tensor.shape) == 2:
+            qweight = quantized_weight(tensor)
+            yield name, qweight.take_rows(unpermute_order(qweight.shape[0], heads)) if permuted else qweight
+        else:
+            weight = dequantize_tensor(tensor, dtype)
+            yield name, unpermute_qk(weight, heads) if permuted else weight
 
 
 def load_gguf_weights(model: torch.nn.Module, gguf_path: str | Path, hf_config: Any, dtype: torch.dtype,
-                      progress: bool = True) -> set[str]:
+                      progress: bool = True, reader: Any = None) -> set[str]:
     """Fill ``model`` (built for ``hf_config``) from the GGUF file; returns the parameter names filled."""
-    reader = open_reader(gguf_path)
+    reader = reader if reader is not None else open_reader(gguf_path)
     weights = gguf_weights(reader, hf_config, dtype, wanted=model.weight_on_stage, progress=progress)
     return model.load_weights(weights)
 

@@ -25,6 +25,7 @@ from pagedserve.parallel.layers import (
     default_weight_loader,
 )
 from pagedserve.parallel.pipeline import IntermediateTensors, layer_range
+from pagedserve.parallel.quant import GGUFQuantConfig, qtype_of
 from pagedserve.parallel.state import ParallelContext
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -79,13 +80,18 @@ class DecoderAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         parallel: ParallelContext,
         dtype: torch.dtype,
+        quant_config: GGUFQuantConfig | None = None,
     ) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}.self_attn"
+        qkv_qtype = qtype_of(quant_config, *(f"{prefix}.{p}_proj.weight" for p in "qkv"))
         self.qkv_proj = QKVParallelLinear(
-            spec.hidden_size, spec.head_size, spec.num_heads, spec.num_kv_heads, parallel, dtype, bias=spec.qkv_bias
+            spec.hidden_size, spec.head_size, spec.num_heads, spec.num_kv_heads, parallel, dtype, bias=spec.qkv_bias,
+            qtype=qkv_qtype,
         )
         self.o_proj = RowParallelLinear(
-            spec.num_heads * spec.head_size, spec.hidden_size, parallel, dtype, bias=spec.o_bias
+            spec.num_heads * spec.head_size, spec.hidden_size, parallel, dtype, bias=spec.o_bias,
+            qtype=qtype_of(quant_config, f"{prefix}.o_proj.weight"),
         )
         self.head_size = spec.head_size
         self.q_norm = RMSNorm(spec.head_size, spec.rms_norm_eps, dtype) if spec.qk_norm else None
@@ -127,11 +133,13 @@ class DecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         parallel: ParallelContext,
         dtype: torch.dtype,
+        quant_config: GGUFQuantConfig | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(spec, layer_idx, rotary_emb, parallel, dtype)
+        self.self_attn = DecoderAttention(spec, layer_idx, rotary_emb, parallel, dtype, quant_config)
         self.mlp = GatedMLP(
-            spec.hidden_size, spec.intermediate_size, spec.hidden_act, parallel, dtype, bias=spec.mlp_bias
+            spec.hidden_size, spec.intermediate_size, spec.hidden_act, parallel, dtype, bias=spec.mlp_bias,
+            quant_config=quant_config, prefix=f"model.layers.{layer_idx}.mlp",
         )
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
@@ -158,11 +166,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding (first stage), this stage's layers, final norm (last stage)."""
 
-    def __init__(self, spec: DecoderSpec, parallel: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, spec: DecoderSpec, parallel: ParallelContext, dtype: torch.dtype,
+                 quant_config: GGUFQuantConfig | None = None) -> None:
         super().__init__()
         self.start_layer, self.end_layer = layer_range(spec.num_layers, parallel.pp_rank, parallel.pp_size)
         self.embed_tokens = (
-            VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, parallel, dtype)
+            VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, parallel, dtype,
+                                   qtype=qtype_of(quant_config, "model.embed_tokens.weight"))
             if parallel.is_first_pp_stage
             else None
         )
@@ -170,7 +180,8 @@ class DecoderModel(nn.Module):
             spec.head_size, spec.head_size, spec.max_position, spec.rope_theta, spec.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, self.rotary_emb, parallel, dtype) for i in range(self.start_layer, self.end_layer)
+            DecoderLayer(spec, i, self.rotary_emb, parallel, dtype, quant_config)
+            for i in range(self.start_layer, self.end_layer)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype) if parallel.is_last_pp_stage else None
 
@@ -228,9 +239,11 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def __init__(
-        self, hf_config: Any, dtype: torch.dtype, parallel: ParallelContext, max_position: int | None = None
+        self, hf_config: Any, dtype: torch.dtype, parallel: ParallelContext, max_position: int | None = None,
+        quant_config: GGUFQuantConfig | None = None,
     ) -> None:
-        """max_position: positions the RoPE cache must cover (max_model_len) when above the config's."""
+        """max_position: positions the RoPE cache must cover (max_model_len) when above the config's.
+        quant_config: the checkpoint weights kept quantized (GGUF), by HF name; None: float weights."""
         super().__init__()
         self.config = hf_config
         spec = self.spec_from_config(hf_config)
@@ -239,10 +252,12 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.parallel = parallel
         self.dtype = dtype
-        self.model = DecoderModel(spec, parallel, dtype)
+        self.model = DecoderModel(spec, parallel, dtype, quant_config)
         self.lm_head: ParallelLMHead | None = None
         if parallel.is_last_pp_stage:
-            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, parallel, dtype)
+            head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, parallel, dtype,
+                                          qtype=qtype_of(quant_config, head_name))
             if spec.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.tie_to(self.model.embed_tokens)
 

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pagedserve.engine.device_limits import auto_dtype
-from pagedserve.engine.models.gguf_loader import find_gguf_file, load_gguf_weights
+from pagedserve.engine.device_limits import auto_dtype, cpu_has_native_bf16
+from pagedserve.engine.models.gguf_config import open_reader
+from pagedserve.engine.models.gguf_loader import find_gguf_file, gguf_quant_config, load_gguf_weights
 from pagedserve.engine.models.registry import get_model_class
 from pagedserve.parallel.state import ParallelContext
 
@@ -26,10 +27,11 @@ _DTYPES: dict[str, torch.dtype] = {
 
 def resolve_dtype(dtype: str, hf_config: Any, device: str | torch.device = "cpu") -> torch.dtype:
     """"auto" -> the checkpoint's dtype from the config (float32 if absent), run as bf16/fp16 on CUDA
-    when that is float32 (device_limits.auto_dtype); else a named dtype."""
+    and as bf16 on a CPU with native bf16 matmuls when that is float32 (device_limits.auto_dtype); else a
+    named dtype."""
     if dtype == "auto":
         device_type = torch.device(device).type
-        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
+        bf16 = torch.cuda.is_bf16_supported() if device_type == "cuda" else cpu_has_native_bf16()
         return auto_dtype(_checkpoint_dtype(hf_config), device_type, bf16)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -80,24 +82,30 @@ def load_model(
     parallel: ParallelContext,
     device: str | torch.device = "cpu",
     max_position: int | None = None,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """Build the model for ``hf_config`` on ``device`` and load its weights (eval mode, no grad).
 
     ``model_path`` is a safetensors directory or a GGUF file (or a directory holding one).
     Weights of other pipeline stages are never read; sharded layers read only this
-    rank's slice through safetensors' lazy ``get_slice`` (GGUF: of the dequantized tensor). Raises ValueError for
+    rank's slice through safetensors' lazy ``get_slice`` (GGUF: of the block rows). Raises ValueError for
     weights the model does not know and for parameters the checkpoint lacks. `max_position`
     (max_model_len) sizes the RoPE cache when it exceeds max_position_embeddings (RoPE scaling).
+    `quantization` "gguf" keeps a GGUF file's block-quantized weights quantized (EngineConfig.quantization);
+    anything else loads them dequantized to ``dtype``.
     """
     model_cls = get_model_class(hf_config)
     gguf_file = find_gguf_file(model_path)
     files = [] if gguf_file is not None else checkpoint_files(model_path)
+    reader = open_reader(gguf_file) if gguf_file is not None else None
+    quant_config = gguf_quant_config(reader) if reader is not None and quantization == "gguf" else None
     with torch.device(device), torch.no_grad():
-        model = model_cls(hf_config, dtype=dtype, parallel=parallel, max_position=max_position)
+        model = model_cls(hf_config, dtype=dtype, parallel=parallel, max_position=max_position,
+                          quant_config=quant_config)
     loaded: set[str] = set()
     with torch.no_grad():
         if gguf_file is not None:
-            loaded = load_gguf_weights(model, gguf_file, hf_config, dtype, progress=parallel.rank == 0)
+            loaded = load_gguf_weights(model, gguf_file, hf_config, dtype, progress=parallel.rank == 0, reader=reader)
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 names = [n for n in f.keys() if model.weight_on_stage(n)]

@@ -96,7 +96,7 @@ class ModelRunner:
         torch.manual_seed(self.config.seed)
         self.model = load_model(
             self.config.model, self.hf_config, self.dtype, self.parallel, device=self.device,
-            max_position=self.config.max_model_len,
+            max_position=self.config.max_model_len, quantization=self.config.quantization,
         )
         spec = self.config.speculative
         if spec is not None:

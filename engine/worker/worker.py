@@ -37,6 +37,9 @@ class Worker:
         device_type = self.config.resolved_device
         # Again here: the config may have been resolved on a machine without this rank's device.
         check_block_size(self.config.block_size, device_type)
+        if self.config.cpu_threads is not None:
+            torch.set_num_threads(self.config.cpu_threads)
+            logger.info("rank %d: %d torch threads (cpu_threads)", self.rank, self.config.cpu_threads)
         if device_type == "cuda":
             torch.cuda.set_device(self.local_device_index)
             self.device = torch.device("cuda", self.local_device_index)

@@ -8,4 +8,5 @@ TORCH_LIBRARY(pagedserve, m) {
         "Tensor seq_lens, float scale, int sliding_window) -> Tensor");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
+  m.def("gguf_linear(Tensor x, Tensor weight, int qtype, int in_features) -> Tensor");
 }

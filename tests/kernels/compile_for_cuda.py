@@ -15,6 +15,7 @@ from pagedserve.kernels.triton.decode_attention import (
     _decode_kernel,
     _decode_reduce_kernel,
 )
+from pagedserve.kernels.triton.gguf_linear import _QS_OFFSET, _gguf_linear_kernel
 from pagedserve.kernels.triton.norm import _rms_norm_kernel
 from pagedserve.kernels.triton.prefill_attention import _prefill_kernel
 from pagedserve.kernels.triton.rotary import _rotary_kernel
@@ -70,6 +71,12 @@ def main() -> None:
     compile_kernel(_rotary_kernel, {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "q_out_ptr": "*bf16",
                                     "k_out_ptr": "*bf16", "cache_ptr": "*fp32"},
                    set(), dict(IS_NEOX=False, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64))
+    for qtype, block_bytes, subs, dtype, precision in ((3, 20, 1, "bf16", "tf32"), (7, 24, 1, "fp16", "tf32"),
+                                                       (8, 34, 1, "fp32", "ieee"), (13, 176, 8, "bf16", "tf32"),
+                                                       (14, 210, 8, "bf16", "tf32")):
+        compile_kernel(_gguf_linear_kernel, {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": f"*{dtype}"}, set(), dict(
+            QTYPE=qtype, BLOCK_BYTES=block_bytes, SUBS=subs, QS_OFFSET=_QS_OFFSET[qtype], BLOCK_M=16, BLOCK_N=64,
+            PRECISION=precision, INTERPRET=False))
     compile_kernel(_silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024))
     compile_kernel(_masked_exp_sum_kernel, {"logits_ptr": "*fp32", "rows_ptr": "*i64", "kth_ptr": "*fp32",
                                             "max_ptr": "*fp32", "out_ptr": "*fp32"}, set(), dict(BLOCK=1024))

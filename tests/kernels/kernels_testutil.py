@@ -79,3 +79,20 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.float16:
         return {"atol": 5e-3, "rtol": 5e-3}
     return {"atol": 3e-2, "rtol": 3e-2}  # bfloat16
+
+
+def k_quant_blocks(qtype: str, rows: int, cols: int, rng):
+    """Random GGUF K-quant super-blocks (the `gguf` package cannot quantize them) as uint8 [rows, bytes]:
+    float16 d (and dmin) are set to small positive numbers, so every other byte (scales, mins, codes) is a
+    valid value whatever it is (rng: a numpy Generator)."""
+    import numpy as np
+
+    from pagedserve.kernels.torch_impl.gguf_quant import GGUF_QUANT_TYPES
+
+    _, nbytes, elements = GGUF_QUANT_TYPES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // elements, nbytes), dtype=np.uint8)
+    scale = 2e-5 if qtype == "Q6_K" else 2e-4
+    for offset in ([208] if qtype == "Q6_K" else [0, 2]):
+        d = (rng.random((rows, cols // elements, 1)) * scale + scale / 4).astype(np.float16)
+        raw[..., offset:offset + 2] = d.view(np.uint8)
+    return raw.reshape(rows, -1)

@@ -1,0 +1,418 @@
+// y = x W^T for a weight kept in llama.cpp's GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the
+// K-quants Q4_K, Q5_K, Q6_K).
+//
+// Decode on a CPU is bound by the bytes of weight it streams per step; keeping W quantized (4.5 to 8.5
+// bits a weight instead of 32) is the point. W is a uint8 tensor [N, K / block * block_bytes], rows of
+// blocks exactly as the file stores them (see kernels/torch_impl/gguf_quant.py for the formats).
+//
+// Few rows of x (decode batches): each output row n dequantizes W's row n block by block into registers
+// (two 16-float vectors per block) and multiplies it into up to four rows of x at once; more rows of x take
+// the row from a dequantized float buffer in L1/L2 instead. Many rows of x (prefill): a tile of W's rows is
+// dequantized into x's dtype and multiplied by at::mm (oneDNN: AMX/AVX-512 BF16 where the CPU has them).
+// Either way W is never dequantized whole. Accumulation is in float32.
+//
+// torch.ops.pagedserve.gguf_linear(x, weight, qtype, in_features) (schema in registration.cpp); qtype is
+// the GGMLQuantizationType value.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using vec16 = float __attribute__((vector_size(64)));
+using vec8 = float __attribute__((vector_size(32)));
+using vec4 = float __attribute__((vector_size(16)));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
+
+constexpr int64_t kBlock = 32;
+// x with at least this many rows goes through tile dequantization + at::mm.
+constexpr int64_t kGemmRows = 16;
+// Below this many multiply-adds a call runs on the calling thread (waking the pool costs more).
+constexpr int64_t kInlineWork = 1 << 16;
+// A prefill tile of W holds at most this many elements (x's dtype): it stays in L2 while at::mm reads it.
+constexpr int64_t kTileElements = 1 << 18;
+
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(vec16 v) {
+  const vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// Bytes to floats through 32-bit integers (vpmovzxbd/vpmovsxbd + vcvtdq2ps); a direct conversion from
+// 8-bit lanes is scalarised by GCC.
+inline vec16 to_float(u8x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), vec16); }
+// Signed bytes: flip the sign bit in the byte lanes, widen as unsigned, subtract 128 (GCC scalarises a
+// direct int8 -> int32 conversion).
+inline vec16 to_float_signed(u8x16 q) {
+  return __builtin_convertvector(__builtin_convertvector(q ^ 0x80, i32x16) - 128, vec16);
+}
+inline vec16 to_float(u32x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), vec16); }
+
+inline u8x16 load_u8x16(const uint8_t* p) {
+  u8x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Q5: the fifth bits of elements [first, first + 16) from the little-endian word at p, as 0 or 16.
+inline u32x16 high_bits(const uint8_t* p, uint32_t first) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  const u32x16 shifts = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return (((u32x16{} + qh) >> (shifts + first)) & 1u) << 4;
+}
+
+// One 32-element block of type QT -> elements 0-15 in lo, 16-31 in hi.
+template <int64_t QT>
+struct Block;
+
+template <>
+struct Block<Q4_0> {
+  static constexpr int64_t kBytes = 18, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
+    const float d = f16(b);
+    const u8x16 q = load_u8x16(b + 2);
+    lo = (to_float(q & 0x0F) - 8.f) * d;
+    hi = (to_float(q >> 4) - 8.f) * d;
+  }
+};
+
+template <>
+struct Block<Q4_1> {
+  static constexpr int64_t kBytes = 20, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
+    const float d = f16(b), m = f16(b + 2);
+    const u8x16 q = load_u8x16(b + 4);
+    lo = to_float(q & 0x0F) * d + m;
+    hi = to_float(q >> 4) * d + m;
+  }
+};
+
+template <>
+struct Block<Q5_0> {
+  static constexpr int64_t kBytes = 22, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
+    const float d = f16(b);
+    const u8x16 q = load_u8x16(b + 6);
+    const u32x16 l = __builtin_convertvector(q & 0x0F, u32x16) | high_bits(b + 2, 0);
+    const u32x16 h = __builtin_convertvector(q >> 4, u32x16) | high_bits(b + 2, 16);
+    lo = (to_float(l) - 16.f) * d;
+    hi = (to_float(h) - 16.f) * d;
+  }
+};
+
+template <>
+struct Block<Q5_1> {
+  static constexpr int64_t kBytes = 24, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
+    const float d = f16(b), m = f16(b + 2);
+    const u8x16 q = load_u8x16(b + 8);
+    const u32x16 l = __builtin_convertvector(q & 0x0F, u32x16) | high_bits(b + 4, 0);
+    const u32x16 h = __builtin_convertvector(q >> 4, u32x16) | high_bits(b + 4, 16);
+    lo = to_float(l) * d + m;
+    hi = to_float(h) * d + m;
+  }
+};
+
+template <>
+struct Block<Q8_0> {
+  static constexpr int64_t kBytes = 34, kElements = 32;
+  static inline void dequant(const uint8_t* b, int64_t /*sub-block: one per block*/, vec16& lo, vec16& hi) {
+    const float d = f16(b);
+    lo = to_float_signed(load_u8x16(b + 2)) * d;
+    hi = to_float_signed(load_u8x16(b + 18)) * d;
+  }
+};
+
+// K-quants: a 256-element super-block of eight 32-element sub-blocks; `i` picks the sub-block.
+// Q4_K / Q5_K: sub-block i's 6-bit scale and min from the 12 packed bytes (llama.cpp's get_scale_min_k4).
+inline void scale_min_k4(const uint8_t* s, int64_t i, float& sc, float& mn) {
+  if (i < 4) {
+    sc = static_cast<float>(s[i] & 63);
+    mn = static_cast<float>(s[i + 4] & 63);
+  } else {
+    sc = static_cast<float>((s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4));
+    mn = static_cast<float>((s[i + 4] >> 4) | ((s[i] >> 6) << 4));
+  }
+}
+
+template <>
+struct Block<Q4_K> {
+  static constexpr int64_t kBytes = 144, kElements = 256;
+  static inline void dequant(const uint8_t* b, int64_t i, vec16& lo, vec16& hi) {
+    float sc, mn;
+    scale_min_k4(b + 4, i, sc, mn);
+    const float d = f16(b) * sc, m = f16(b + 2) * mn;
+    const uint8_t* q = b + 16 + 32 * (i / 2);
+    const int shift = static_cast<int>(4 * (i % 2));
+    lo = to_float((load_u8x16(q) >> shift) & 0x0F) * d - m;
+    hi = to_float((load_u8x16(q + 16) >> shift) & 0x0F) * d - m;
+  }
+};
+
+template <>
+struct Block<Q5_K> {
+  static constexpr int64_t kBytes = 176, kElements = 256;
+  static inline void dequant(const uint8_t* b, int64_t i, vec16& lo, vec16& hi) {
+    float sc, mn;
+    scale_min_k4(b + 4, i, sc, mn);
+    const float d = f16(b) * sc, m = f16(b + 2) * mn;
+    const int bit = static_cast<int>(i), shift = static_cast<int>(4 * (i % 2));
+    const u8x16 h0 = ((load_u8x16(b + 16) >> bit) & 1) << 4, h1 = ((load_u8x16(b + 32) >> bit) & 1) << 4;
+    const uint8_t* q = b + 48 + 32 * (i / 2);
+    lo = to_float(((load_u8x16(q) >> shift) & 0x0F) | h0) * d - m;
+    hi = to_float(((load_u8x16(q + 16) >> shift) & 0x0F) | h1) * d - m;
+  }
+};
+
+template <>
+struct Block<Q6_K> {
+  static constexpr int64_t kBytes = 210, kElements = 256;
+  static inline void dequant(const uint8_t* b, int64_t i, vec16& lo, vec16& hi) {
+    const int64_t half = i / 4, k = i % 4;
+    const uint8_t* ql = b + 64 * half + 32 * (k % 2);
+    const uint8_t* qh = b + 128 + 32 * half;
+    const int lshift = static_cast<int>(4 * (k / 2)), hshift = static_cast<int>(2 * k);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * k;  // one scale per 16
+    const float d = f16(b + 208);
+    const u8x16 q0 = ((load_u8x16(ql) >> lshift) & 0x0F) | (((load_u8x16(qh) >> hshift) & 3) << 4);
+    const u8x16 q1 = ((load_u8x16(ql + 16) >> lshift) & 0x0F) | (((load_u8x16(qh + 16) >> hshift) & 3) << 4);
+    lo = (to_float(q0) - 32.f) * (d * sc[0]);
+    hi = (to_float(q1) - 32.f) * (d * sc[1]);
+  }
+};
+
+// 32-element sub-block sb of a row (a block of the simple types, a slice of a K-quant super-block).
+template <int64_t QT>
+inline void sub_block(const uint8_t* row, int64_t sb, vec16& lo, vec16& hi) {
+  constexpr int64_t per = Block<QT>::kElements / kBlock;
+  Block<QT>::dequant(row + (sb / per) * Block<QT>::kBytes, sb % per, lo, hi);
+}
+
+// out[m, n] for MT (1-4) rows of x and NR rows of W from n, each block dequantized once into registers and
+// multiplied into every row of x; NR independent rows keep the FMA units busy and share the loads of x.
+template <int64_t QT, int MT, int NR>
+inline void rows_fused(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n, float* out,
+                       int64_t N) {
+  const int64_t nb = K / kBlock;
+  vec16 acc_lo[NR][MT] = {}, acc_hi[NR][MT] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    vec16 lo[NR], hi[NR];
+    for (int r = 0; r < NR; ++r) sub_block<QT>(w + (n + r) * row_bytes, b, lo[r], hi[r]);
+    for (int m = 0; m < MT; ++m) {
+      const vec16 x0 = load16(x + m * K + b * kBlock), x1 = load16(x + m * K + b * kBlock + 16);
+      for (int r = 0; r < NR; ++r) {
+        acc_lo[r][m] += x0 * lo[r];
+        acc_hi[r][m] += x1 * hi[r];
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) out[m * N + n + r] = hsum(acc_lo[r][m] + acc_hi[r][m]);
+}
+
+// W rows [n0, n1) for MT rows of x: NR rows at a time, then one by one.
+template <int64_t QT, int MT>
+void rows_range(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, float* out,
+                int64_t N) {
+  constexpr int NR = MT == 1 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) rows_fused<QT, MT, NR>(x, K, w, row_bytes, n, out, N);
+  for (; n < n1; ++n) rows_fused<QT, MT, 1>(x, K, w, row_bytes, n, out, N);
+}
+
+// out[m, n] for MT rows of x against one dequantized row (float, K elements).
+template <int MT>
+inline void dot_rows(const float* x, int64_t K, const float* wrow, float* out, int64_t N) {
+  vec16 a0[MT] = {}, a1[MT] = {};
+  for (int64_t k = 0; k < K; k += kBlock) {
+    const vec16 w0 = load16(wrow + k), w1 = load16(wrow + k + 16);
+    for (int m = 0; m < MT; ++m) {
+      a0[m] += load16(x + m * K + k) * w0;
+      a1[m] += load16(x + m * K + k + 16) * w1;
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m * N] = hsum(a0[m] + a1[m]);
+}
+
+template <int64_t QT>
+inline void dequant_row(const uint8_t* row, int64_t K, float* dst) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    vec16 lo, hi;
+    sub_block<QT>(row, b, lo, hi);
+    store16(dst + b * kBlock, lo);
+    store16(dst + b * kBlock + 16, hi);
+  }
+}
+
+// Decode-sized batches: x float [M, K] (M < kGemmRows) -> out float [M, N].
+template <int64_t QT>
+void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out) {
+  const int64_t work = M * N * K;
+  const int64_t grain = work < kInlineWork ? N : std::max<int64_t>(4, N / (8 * at::get_num_threads()));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: rows_range<QT, 1>(x, K, w, row_bytes, n0, n1, out, N); return;
+      case 2: rows_range<QT, 2>(x, K, w, row_bytes, n0, n1, out, N); return;
+      case 3: rows_range<QT, 3>(x, K, w, row_bytes, n0, n1, out, N); return;
+      case 4: rows_range<QT, 4>(x, K, w, row_bytes, n0, n1, out, N); return;
+      default: break;
+    }
+    std::vector<float> wrow(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      dequant_row<QT>(w + n * row_bytes, K, wrow.data());
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) dot_rows<4>(x + m * K, K, wrow.data(), out + m * N + n, N);
+      switch (M - m) {
+        case 3: dot_rows<3>(x + m * K, K, wrow.data(), out + m * N + n, N); break;
+        case 2: dot_rows<2>(x + m * K, K, wrow.data(), out + m * N + n, N); break;
+        case 1: dot_rows<1>(x + m * K, K, wrow.data(), out + m * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+// Round-to-nearest-even float -> bfloat16 bits (weights are finite).
+inline void store_bf16(c10::BFloat16* dst, vec16 v) {
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof(v));
+  bits = (bits + (0x7FFFu + ((bits >> 16) & 1u))) >> 16;
+  using u16x16 = uint16_t __attribute__((vector_size(32)));
+  const u16x16 h = __builtin_convertvector(bits, u16x16);
+  std::memcpy(dst, &h, sizeof(h));
+}
+
+inline void store_out(float* dst, vec16 v) { store16(dst, v); }
+inline void store_out(c10::BFloat16* dst, vec16 v) { store_bf16(dst, v); }
+inline void store_out(c10::Half* dst, vec16 v) {
+  using f16x16 = _Float16 __attribute__((vector_size(32)));
+  const f16x16 h = __builtin_convertvector(v, f16x16);
+  std::memcpy(dst, &h, sizeof(h));
+}
+
+// Rows [n0, n1) of W dequantized into dst [n1 - n0, K] of type T.
+template <int64_t QT, typename T>
+void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, T* dst) {
+  const int64_t nb = K / kBlock;
+  at::parallel_for(n0, n1, std::max<int64_t>(1, 4096 / nb), [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      T* out = dst + (n - n0) * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        vec16 lo, hi;
+        sub_block<QT>(row, b, lo, hi);
+        store_out(out + b * kBlock, lo);
+        store_out(out + b * kBlock + 16, hi);
+      }
+    }
+  });
+}
+
+// Prefill-sized batches: x [M, K] (its own dtype) -> out [M, N], a tile of W's rows at a time.
+template <int64_t QT, typename T>
+void gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, at::Tensor& out) {
+  const int64_t K = x.size(1);
+  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, kTileElements / K) / 16 * 16);
+  at::Tensor wtile = at::empty({std::min(tile, N), K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t n1 = std::min(N, n0 + tile);
+    at::Tensor wt = wtile.narrow(0, 0, n1 - n0);
+    dequant_tile<QT, T>(w, row_bytes, K, n0, n1, wt.data_ptr<T>());
+    out.narrow(1, n0, n1 - n0).copy_(at::mm(x, wt.t()));
+  }
+}
+
+template <int64_t QT>
+at::Tensor run(const at::Tensor& x, const at::Tensor& weight, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const int64_t row_bytes = weight.size(1);
+  if (M >= kGemmRows) {
+    at::Tensor out = at::empty({M, N}, x.options());
+    switch (x.scalar_type()) {
+      case at::kFloat: gemm<QT, float>(x, w, row_bytes, N, out); break;
+      case at::kBFloat16: gemm<QT, c10::BFloat16>(x, w, row_bytes, N, out); break;
+      case at::kHalf: gemm<QT, c10::Half>(x, w, row_bytes, N, out); break;
+      default: TORCH_CHECK(false, "gguf_linear (CPU op): unsupported dtype ", x.scalar_type());
+    }
+    return out;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  gemv<QT>(xf.data_ptr<float>(), M, K, w, row_bytes, N, out.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// (bytes, elements) of one block of qtype.
+std::pair<int64_t, int64_t> block_shape(int64_t qtype) {
+  switch (qtype) {
+#define PAGEDSERVE_SHAPE(T) \
+  case T:                   \
+    return {Block<T>::kBytes, Block<T>::kElements};
+    PAGEDSERVE_SHAPE(Q4_0) PAGEDSERVE_SHAPE(Q4_1) PAGEDSERVE_SHAPE(Q5_0) PAGEDSERVE_SHAPE(Q5_1)
+    PAGEDSERVE_SHAPE(Q8_0) PAGEDSERVE_SHAPE(Q4_K) PAGEDSERVE_SHAPE(Q5_K) PAGEDSERVE_SHAPE(Q6_K)
+#undef PAGEDSERVE_SHAPE
+    default: TORCH_CHECK(false, "gguf_linear (CPU op): unsupported GGML quant type ", qtype);
+  }
+  return {0, 0};
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gguf_linear (CPU op): tensors must be on the CPU");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, "gguf_linear: weight must be uint8 [N, bytes]");
+  const auto [bytes, elements] = block_shape(qtype);
+  TORCH_CHECK(in_features > 0 && in_features % elements == 0, "gguf_linear: in_features must be a multiple of ",
+              elements);
+  TORCH_CHECK(x.size(-1) == in_features, "gguf_linear: x has ", x.size(-1), " features, the weight ", in_features);
+  TORCH_CHECK(weight.size(1) == in_features / elements * bytes,
+              "gguf_linear: weight rows of ", weight.size(1), " bytes do not hold ", in_features, " elements");
+  const at::Tensor w = weight.contiguous();
+  const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
+  const int64_t N = w.size(0);
+  at::Tensor out;
+  switch (qtype) {
+    case Q4_0: out = run<Q4_0>(x2, w, N); break;
+    case Q4_1: out = run<Q4_1>(x2, w, N); break;
+    case Q5_0: out = run<Q5_0>(x2, w, N); break;
+    case Q5_1: out = run<Q5_1>(x2, w, N); break;
+    case Q8_0: out = run<Q8_0>(x2, w, N); break;
+    case Q4_K: out = run<Q4_K>(x2, w, N); break;
+    case Q5_K: out = run<Q5_K>(x2, w, N); break;
+    default: out = run<Q6_K>(x2, w, N); break;
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("gguf_linear", &gguf_linear); }

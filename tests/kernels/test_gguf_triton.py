@@ -1,0 +1,39 @@
+"""The Triton GGUF dequant-GEMM under TRITON_INTERPRET=1 on CPU tensors, against the torch twin."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Triton kernel modules
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("gguf")
+
+from test_gguf_quant import QTYPES, close, quantized, reference, width  # noqa: E402
+
+from pagedserve.kernels.torch_impl.gguf_quant import gguf_linear_torch  # noqa: E402
+from pagedserve.kernels.triton.gguf_linear import gguf_linear_triton  # noqa: E402
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_triton_gguf_linear_matches_twin(qtype, m):
+    n, k = 70, width(qtype, 64)  # two BLOCK_N tiles, the second mostly masked; M=17 spans two BLOCK_M tiles
+    raw, deq = quantized(qtype, n, k, seed=m)
+    x = torch.randn(m, k)
+    out = gguf_linear_triton(x, raw, qtype, k)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    close(out, reference(x, deq), torch.float32)
+    torch.testing.assert_close(out, gguf_linear_torch(x, raw, qtype, k), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0", "Q5_K", "Q6_K"])
+def test_triton_gguf_linear_bf16(qtype):
+    k = width(qtype, 96)
+    raw, deq = quantized(qtype, 33, k)
+    x = torch.randn(2, 2, k).to(torch.bfloat16)
+    out = gguf_linear_triton(x, raw, qtype, k)
+    assert out.shape == (2, 2, 33) and out.dtype == torch.bfloat16
+    close(out.reshape(4, 33), reference(x.reshape(4, k), deq), torch.bfloat16)
