@@ -241,6 +241,8 @@ def test_dtype_of_a_gguf_config_is_read_without_the_deprecated_alias(tmp_path, m
         raise AssertionError("read the deprecated PretrainedConfig.torch_dtype")
 
     monkeypatch.setattr(PretrainedConfig, "torch_dtype", property(deprecated))
+    # (On a CPU without native bf16 matmuls "auto" keeps a GGUF file's float32; pinned so the check holds anywhere.)
+    monkeypatch.setattr("pagedserve.engine.models.loader.cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", hf_config) == torch.float32
     # An old config object with only `torch_dtype` still names its dtype.
     assert resolve_dtype("auto", SimpleNamespace(torch_dtype="bfloat16")) == torch.bfloat16
