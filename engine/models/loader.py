@@ -91,14 +91,14 @@ def load_model(
     rank's slice through safetensors' lazy ``get_slice`` (GGUF: of the block rows). Raises ValueError for
     weights the model does not know and for parameters the checkpoint lacks. `max_position`
     (max_model_len) sizes the RoPE cache when it exceeds max_position_embeddings (RoPE scaling).
-    `quantization` "gguf" keeps a GGUF file's block-quantized weights quantized (EngineConfig.quantization);
-    anything else loads them dequantized to ``dtype``.
+    `quantization` "gguf" (or "auto") keeps a GGUF file's block-quantized weights quantized
+    (EngineConfig.quantization); "none" or None loads them dequantized to ``dtype``.
     """
     model_cls = get_model_class(hf_config)
     gguf_file = find_gguf_file(model_path)
     files = [] if gguf_file is not None else checkpoint_files(model_path)
     reader = open_reader(gguf_file) if gguf_file is not None else None
-    quant_config = gguf_quant_config(reader) if reader is not None and quantization == "gguf" else None
+    quant_config = gguf_quant_config(reader) if reader is not None and quantization in ("gguf", "auto") else None
     with torch.device(device), torch.no_grad():
         model = model_cls(hf_config, dtype=dtype, parallel=parallel, max_position=max_position,
                           quant_config=quant_config)

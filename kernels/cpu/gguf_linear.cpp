@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -336,18 +337,31 @@ void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, in
   });
 }
 
-// Prefill-sized batches: x [M, K] (its own dtype) -> out [M, N], a tile of W's rows at a time.
+// Prefill-sized batches: x [M, K] (its own dtype) -> out [M, N]. One parallel region: each thread takes
+// its share of tiles of W's rows, dequantizes a tile into its own buffer and multiplies it alone (ATen ops
+// run single-threaded inside at::parallel_for), so a call waits on its threads once, not once per tile:
+// on a busy machine every wait can cost a descheduled thread's time slice. The pool's threads take the
+// caller's thread-local state (inference mode: `out` is an inference tensor under torch.inference_mode).
 template <int64_t QT, typename T>
 void gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t N, at::Tensor& out) {
   const int64_t K = x.size(1);
-  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, kTileElements / K) / 16 * 16);
-  at::Tensor wtile = at::empty({std::min(tile, N), K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += tile) {
-    const int64_t n1 = std::min(N, n0 + tile);
-    at::Tensor wt = wtile.narrow(0, 0, n1 - n0);
-    dequant_tile<QT, T>(w, row_bytes, K, n0, n1, wt.data_ptr<T>());
-    out.narrow(1, n0, n1 - n0).copy_(at::mm(x, wt.t()));
-  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t max_tile = std::max<int64_t>(16, kTileElements / K);
+  int64_t num_tiles = (N + max_tile - 1) / max_tile;
+  num_tiles = std::min(N, (num_tiles + threads - 1) / threads * threads);  // an equal share per thread
+  const int64_t tile = (N + num_tiles - 1) / num_tiles;
+  num_tiles = (N + tile - 1) / tile;
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    const at::ThreadLocalStateGuard state_guard(caller_state);
+    at::Tensor buffer = at::empty({tile, K}, x.options());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      at::Tensor wt = buffer.narrow(0, 0, n1 - n0);
+      dequant_tile<QT, T>(w, row_bytes, K, n0, n1, wt.data_ptr<T>());  // runs inline: already in parallel
+      out.narrow(1, n0, n1 - n0).copy_(at::mm(x, wt.t()));
+    }
+  });
 }
 
 template <int64_t QT>

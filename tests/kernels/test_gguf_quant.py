@@ -109,6 +109,24 @@ def test_compiled_op_on_a_model_sized_matrix_in_several_tiles(m):
     close(torch.ops.pagedserve.gguf_linear(xb, raw, 3, 576), reference(xb, deq), torch.bfloat16)
 
 
+@pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_op_in_inference_mode_on_several_threads(dtype):
+    """The prefill path multiplies tiles on the pool's threads: they must carry the caller's inference
+    mode (the engine runs under torch.inference_mode, and writing an inference tensor outside it fails)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        raw, deq = quantized("Q4_K", 300, 512, seed=9)
+        x = torch.randn(40, 512).to(dtype)
+        with torch.inference_mode():
+            out = torch.ops.pagedserve.gguf_linear(x, raw, GGUF_QUANT_TYPES["Q4_K"][0], 512)
+        assert out.is_inference()
+        close(out, reference(x, deq), dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_compiled_op_refuses_mismatched_shapes():
     if not cpu_ops_available():
         pytest.skip("compiled CPU ops did not build")
