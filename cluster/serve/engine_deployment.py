@@ -24,6 +24,7 @@ from typing import Any
 from pagedserve.cluster.fleet_stats import ENGINE_FIGURES
 from pagedserve.cluster.serve.engine_actor import EngineActor
 from pagedserve.cluster.executor.placement import with_engine_kv_share
+from pagedserve.cluster.executor.ray_utils import assigned_cpus
 from pagedserve.cluster.serve.routing_policy import prefix_hashes
 from pagedserve.cluster.serve.router import short_hash
 from pagedserve.engine.outputs import RequestOutput
@@ -44,15 +45,6 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
-def _reserved_cpus() -> float:
-    import ray
-
-    if not ray.is_initialized():
-        return 0.0
-    # A TP = PP = 1 engine replica (the only kind that holds KV itself) reserves plain CPUs, no placement group.
-    return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
-
-
 class PagedServeEngine:
     """The body of one engine replica (the Serve deployment wraps it: `serve_app.engine_deployment`)."""
 
@@ -64,7 +56,7 @@ class PagedServeEngine:
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit tests)
             self.replica = "local"
         self.node_id = _node_id()
-        engine_kwargs = with_engine_kv_share(engine_kwargs, _reserved_cpus())
+        engine_kwargs = with_engine_kv_share(engine_kwargs, assigned_cpus())
         self.actor = EngineActor(engine_kwargs, 0, max_pending_requests=max_pending_requests,
                                  stall_timeout_s=stall_timeout_s)
         self.block_size = self.actor.engine.config.block_size
