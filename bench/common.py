@@ -34,8 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="workload and engine seed")
     group.add_argument("--cpu-threads", type=int, default=None,
                        help="torch threads of the engine's worker (default: torch's, every core)")
-    group.add_argument("--quantization", "-q", choices=["auto", "gguf", "none"], default=None,
-                       help="'none' runs a quantized GGUF file dequantized (default auto: quantized)")
+    group.add_argument("--quantization", "-q", choices=["auto", "gguf", "none", "int8", "int4"], default=None,
+                       help="'none' runs a quantized GGUF file dequantized (default auto: quantized); 'int8'/'int4' "
+                            "quantize a float checkpoint's linear layers at load")
     group.add_argument("--async-scheduling", action="store_true", default=None,
                        help="schedule the next step while this one runs (EngineConfig.async_scheduling)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",

@@ -41,9 +41,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "served as pagedserve-default)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     parser.add_argument("--dtype", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    parser.add_argument("--quantization", "-q", choices=["auto", "gguf", "none"],
-                        help="weight-only quantization: 'auto' (default) keeps a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/"
-                             "Q8_0 weights quantized ('gguf'); 'none' dequantizes them to --dtype at load")
+    parser.add_argument("--quantization", "-q", choices=["auto", "gguf", "none", "int8", "int4"],
+                        help="weight-only quantization: 'auto' (default) keeps a GGUF file's quantized weights "
+                             "quantized ('gguf'); 'none' dequantizes them to --dtype at load; 'int8'/'int4' "
+                             "quantize a safetensors checkpoint's linear layers at load (32-weight groups)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--cpu-threads", type=int,

@@ -92,9 +92,11 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = "auto"
     # Weight-only quantization (vLLM's name). "auto": a GGUF file with block-quantized weights (Q4_0, Q4_1,
-    # Q5_0, Q5_1, Q8_0) keeps them quantized in memory and multiplies with dequantizing kernels ("gguf");
-    # "none" (or None) dequantizes them to `dtype` at load. resolve() leaves "gguf" or "none".
-    quantization: Literal["auto", "gguf", "none"] | None = "auto"
+    # Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) keeps them quantized in memory and multiplies with dequantizing
+    # kernels ("gguf"); "none" (or None) dequantizes them to `dtype` at load. "int8" / "int4": a float
+    # checkpoint's linear layers are quantized at load, round-to-nearest per 32 weights (Q8_0 / Q4_1
+    # blocks: an fp16 scale, and a min for int4). resolve() leaves "gguf", "none", "int8" or "int4".
+    quantization: Literal["auto", "gguf", "none", "int8", "int4"] | None = "auto"
     seed: int = Field(default=0, ge=SEED_MIN, le=SEED_MAX)  # seeds torch and the sampler's shared generator
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
@@ -256,6 +258,9 @@ class EngineConfig(BaseModel):
             hf_config = gguf_hf_config(gguf_file, reader)
             if quantization == "auto":
                 quantization = "gguf" if has_quantized_weights(reader) else "none"
+            elif quantization in ("int8", "int4"):
+                raise ValueError(f"quantization: {quantization!r} quantizes a float (safetensors) checkpoint at load; "
+                                 "a GGUF file runs in its own quant types ('auto') or dequantized ('none')")
         elif quantization == "gguf":
             raise ValueError(f"quantization: 'gguf' needs a GGUF model file, and {self.model!r} is not one")
         elif not os.path.isdir(self.model):

@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.parallel.communication import tp_all_gather, tp_all_reduce
-from pagedserve.kernels.torch_impl.gguf_quant import block_elements
+from pagedserve.kernels.torch_impl.gguf_quant import RTN_TYPES, block_elements, quantize_gguf
 from pagedserve.parallel.quant import QuantizedWeight, quantized_param_shape
 from pagedserve.parallel.state import ParallelContext
 
@@ -51,7 +51,8 @@ def _read(w: Any, dim: int | None = None, start: int = 0, length: int | None = N
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor | QuantizedWeight, what: str, qtype: str | None = None) -> None:
     """Copy a checkpoint shard into ``param``: quantized blocks as they are into a quantized (``qtype``)
-    parameter, dequantized into a float one."""
+    parameter, dequantized into a float one; a float shard into a quantized parameter is quantized
+    (round-to-nearest, `RTN_TYPES`: the rank's own slice, so its groups are the layer's)."""
     if isinstance(loaded, QuantizedWeight):
         if qtype is None:
             loaded = loaded.dequantize(param.dtype)
@@ -59,6 +60,8 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor | QuantizedWeight, what: str
             raise ValueError(f"{what}: checkpoint weight is {loaded.qtype}, the layer was built for {qtype}")
         else:
             loaded = loaded.tensor()
+    elif qtype in RTN_TYPES:
+        loaded = quantize_gguf(loaded, qtype)
     elif qtype is not None:
         raise ValueError(f"{what}: the layer keeps {qtype} weights but the checkpoint gives {loaded.dtype} floats")
     if tuple(param.shape) != tuple(loaded.shape):

@@ -1,6 +1,8 @@
 """GGUF block-quantized weights in the tensor-parallel layers (weight-only quantization).
 
-`GGUFQuantConfig` says which checkpoint weights stay quantized (vLLM's ``quant_config``); a layer built
+A `QuantConfig` says which checkpoint weights a layer keeps quantized and in which format (vLLM's
+``quant_config``): `GGUFQuantConfig` those a GGUF file stores quantized, `RTNQuantConfig` every linear
+layer of a float checkpoint, quantized at load (round-to-nearest, 32-element groups). A layer built
 with a ``qtype`` holds its weight as uint8 rows of llama.cpp blocks and multiplies through
 `kernels.gguf_linear`. `QuantizedWeight` is a checkpoint tensor as the GGUF loader hands it over: raw
 block rows read lazily, sliced by whole rows (column-parallel, vocabulary shards) or by whole blocks
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -21,6 +23,12 @@ import torch
 from pagedserve.kernels.torch_impl.gguf_quant import GGUF_QUANT_TYPES, block_elements, dequantize_gguf, row_bytes
 
 logger = logging.getLogger(__name__)
+
+
+class QuantConfig(Protocol):
+    def qtype(self, *names: str) -> str | None:
+        """The quant type a layer loading the checkpoint weights ``names`` keeps; None: float weights."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,19 @@ class GGUFQuantConfig:
         return types.pop()
 
 
-def qtype_of(quant_config: GGUFQuantConfig | None, *names: str) -> str | None:
+@dataclass(frozen=True)
+class RTNQuantConfig:
+    """Weight-only quantization of a float checkpoint at load: every linear layer's weight becomes
+    ``qtype`` blocks (Q8_0: int8, Q4_1: int4 with a min per group); the embedding and LM head stay float."""
+
+    weight_type: str
+
+    def qtype(self, *names: str) -> str | None:
+        linear = all(name.endswith("_proj.weight") for name in names)
+        return self.weight_type if linear else None
+
+
+def qtype_of(quant_config: QuantConfig | None, *names: str) -> str | None:
     return None if quant_config is None else quant_config.qtype(*names)
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.parallel.layers import MergedColumnParallelLinear, RowParallelLinear
-from pagedserve.parallel.quant import GGUFQuantConfig, qtype_of
+from pagedserve.parallel.quant import QuantConfig, qtype_of
 from pagedserve.parallel.state import ParallelContext
 
 
@@ -22,7 +22,7 @@ class GatedMLP(nn.Module):
         parallel: ParallelContext,
         dtype: torch.dtype,
         bias: bool = False,
-        quant_config: GGUFQuantConfig | None = None,
+        quant_config: QuantConfig | None = None,
         prefix: str = "mlp",
     ) -> None:
         """quant_config/prefix: which of the checkpoint's ``{prefix}.{gate,up,down}_proj.weight`` stay quantized."""

@@ -25,7 +25,7 @@ from pagedserve.parallel.layers import (
     default_weight_loader,
 )
 from pagedserve.parallel.pipeline import IntermediateTensors, layer_range
-from pagedserve.parallel.quant import GGUFQuantConfig, qtype_of
+from pagedserve.parallel.quant import QuantConfig, qtype_of
 from pagedserve.parallel.state import ParallelContext
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -80,7 +80,7 @@ class DecoderAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         parallel: ParallelContext,
         dtype: torch.dtype,
-        quant_config: GGUFQuantConfig | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}.self_attn"
@@ -133,7 +133,7 @@ class DecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         parallel: ParallelContext,
         dtype: torch.dtype,
-        quant_config: GGUFQuantConfig | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(spec, layer_idx, rotary_emb, parallel, dtype, quant_config)
@@ -167,7 +167,7 @@ class DecoderModel(nn.Module):
     """Embedding (first stage), this stage's layers, final norm (last stage)."""
 
     def __init__(self, spec: DecoderSpec, parallel: ParallelContext, dtype: torch.dtype,
-                 quant_config: GGUFQuantConfig | None = None) -> None:
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.start_layer, self.end_layer = layer_range(spec.num_layers, parallel.pp_rank, parallel.pp_size)
         self.embed_tokens = (
@@ -240,10 +240,10 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, hf_config: Any, dtype: torch.dtype, parallel: ParallelContext, max_position: int | None = None,
-        quant_config: GGUFQuantConfig | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         """max_position: positions the RoPE cache must cover (max_model_len) when above the config's.
-        quant_config: the checkpoint weights kept quantized (GGUF), by HF name; None: float weights."""
+        quant_config: which checkpoint weights (by HF name) layers keep quantized; None: float weights."""
         super().__init__()
         self.config = hf_config
         spec = self.spec_from_config(hf_config)

@@ -14,7 +14,11 @@ from pagedserve.engine.device_limits import auto_dtype, cpu_has_native_bf16
 from pagedserve.engine.models.gguf_config import open_reader
 from pagedserve.engine.models.gguf_loader import find_gguf_file, gguf_quant_config, load_gguf_weights
 from pagedserve.engine.models.registry import get_model_class
+from pagedserve.parallel.quant import RTNQuantConfig
 from pagedserve.parallel.state import ParallelContext
+
+# quantization="int8" / "int4" of a float checkpoint: the block format its linear layers are stored in.
+RTN_WEIGHT_TYPES = {"int8": "Q8_0", "int4": "Q4_1"}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -92,13 +96,16 @@ def load_model(
     weights the model does not know and for parameters the checkpoint lacks. `max_position`
     (max_model_len) sizes the RoPE cache when it exceeds max_position_embeddings (RoPE scaling).
     `quantization` "gguf" (or "auto") keeps a GGUF file's block-quantized weights quantized
-    (EngineConfig.quantization); "none" or None loads them dequantized to ``dtype``.
+    (EngineConfig.quantization); "none" or None loads them dequantized to ``dtype``; "int8" / "int4"
+    quantize a float checkpoint's linear layers at load (RTN_WEIGHT_TYPES).
     """
     model_cls = get_model_class(hf_config)
     gguf_file = find_gguf_file(model_path)
     files = [] if gguf_file is not None else checkpoint_files(model_path)
     reader = open_reader(gguf_file) if gguf_file is not None else None
     quant_config = gguf_quant_config(reader) if reader is not None and quantization in ("gguf", "auto") else None
+    if quantization in RTN_WEIGHT_TYPES:
+        quant_config = RTNQuantConfig(RTN_WEIGHT_TYPES[quantization])
     with torch.device(device), torch.no_grad():
         model = model_cls(hf_config, dtype=dtype, parallel=parallel, max_position=max_position,
                           quant_config=quant_config)

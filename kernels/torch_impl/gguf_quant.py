@@ -166,3 +166,43 @@ def gguf_linear_cpu(x: torch.Tensor, weight: torch.Tensor, qtype: str, in_featur
     if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_ops_available():
         return torch.ops.pagedserve.gguf_linear(x, weight, GGUF_QUANT_TYPES[qtype][0], in_features)
     return gguf_linear_torch(x, weight, qtype, in_features)
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero (C's roundf, as llama.cpp and the gguf package quantize)."""
+    a = x.abs()
+    floored = a.floor()
+    return x.sign() * (floored + (2 * (a - floored)).floor())
+
+
+def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.half().view(torch.uint8)
+
+
+# Types `quantize_gguf` writes: weight-only round-to-nearest quantization of float checkpoints at load.
+RTN_TYPES = ("Q8_0", "Q4_1")
+
+
+def quantize_gguf(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Float rows [..., K] -> uint8 ``qtype`` block rows [..., K / 32 * block_bytes], by round-to-nearest
+    per 32-element group, operation for operation as llama.cpp / `gguf.quants.quantize` (same bytes):
+    Q8_0 symmetric (d = absmax / 127), Q4_1 asymmetric (d = (max - min) / 15, m = min)."""
+    if qtype not in RTN_TYPES:
+        raise ValueError(f"qtype: quantizing to {qtype!r} is not supported; supported: {', '.join(RTN_TYPES)}")
+    row_bytes(qtype, w.shape[-1])  # validates the width
+    lead = w.shape[:-1]
+    blocks = w.float().reshape(*lead, w.shape[-1] // QK, QK)
+    if qtype == "Q8_0":
+        d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        qs = _roundf(blocks * inv).to(torch.int8).view(torch.uint8)
+        out = torch.cat([_f16_bytes(d), qs], dim=-1)
+    else:  # Q4_1
+        hi = blocks.amax(dim=-1, keepdim=True)
+        lo = blocks.amin(dim=-1, keepdim=True)
+        d = (hi - lo) / 15
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        qs = ((blocks - lo) * inv + 0.5).trunc().to(torch.uint8).clamp(0, 15)
+        packed = qs[..., : QK // 2] | (qs[..., QK // 2 :] << 4)
+        out = torch.cat([_f16_bytes(d), _f16_bytes(lo), packed], dim=-1)
+    return out.reshape(*lead, -1)
