@@ -23,6 +23,21 @@ def add_model_args(parser: argparse.ArgumentParser, random_weights: bool = True)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
 
+BASELINES = ("hf", "llama-cpp")
+
+
+def parse_baselines(text: str) -> list[str]:
+    """"none", "hf", "llama-cpp" or "hf,llama-cpp" -> the baselines to run; argparse type."""
+    names = [name.strip() for name in str(text).split(",") if name.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [name for name in names if name not in BASELINES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected none or a comma-separated list of {', '.join(BASELINES)}, "
+                                         f"got {text!r}")
+    return list(dict.fromkeys(names))
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget on CPU (default 1GiB)")

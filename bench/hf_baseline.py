@@ -127,12 +127,12 @@ def hf_baseline(path: str, torch_dtype: Any, workload: list[BenchRequest], candi
                       swept_whole_workload=whole)
 
 
-def parse_batch_sizes(text: str) -> list[int]:
+def parse_batch_sizes(text: str, flag: str = "--hf-batch-sizes") -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--hf-batch-sizes: expected comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
     if not sizes or any(s < 1 for s in sizes):
-        raise ValueError(f"--hf-batch-sizes: expected positive integers, got {text!r}")
+        raise ValueError(f"{flag}: expected positive integers, got {text!r}")
     return sizes
 

@@ -3,7 +3,9 @@
 Each iteration sends the same `--batch-size` prompts of `--input-len` random tokens (prefix cache reset
 first, so nothing is reused) with `--output-len` tokens each (`ignore_eos`) and times the whole batch.
 The engine's own request metrics split it: prefill = until the last request of the batch has its first
-token; decode per token = the rest over the remaining `output_len - 1` steps.
+token; decode per token = the rest over the remaining `output_len - 1` steps. `--baseline llama-cpp`
+times llama.cpp on the same GGUF file and batch the same way (`llama_cpp_baseline`: all `--batch-size`
+sequences in one context) and prints the ratios.
 """
 
 from __future__ import annotations
@@ -32,9 +34,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", choices=["random", "repeat"], default="random",
                    help="random: random token ids; repeat: code-editing prompts whose output re-emits part of "
                         "the input (what n-gram speculation is for)")
+    p.add_argument("--baseline", choices=["none", "llama-cpp"], default="none",
+                   help="llama-cpp: also time llama.cpp on the same GGUF file and batch")
     common.add_engine_args(p)
     common.add_output_args(p)
     p.set_defaults(bench_func=run)
+
+
+def llama_cpp_latency(model: str, batch: list, num_iters: int, num_warmup: int,
+                      n_threads: int | None) -> dict[str, dict[str, float]]:
+    """llama.cpp's e2e, prefill (until every sequence has its first token) and decode-per-token times of
+    the batch, over `num_iters` runs on one context (after `num_warmup`), in the latency table's shape."""
+    from pagedserve.bench.llama_cpp_baseline import LlamaCppEngine, gguf_file_of
+
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in batch)
+    engine = LlamaCppEngine(gguf_file_of(model), len(batch), longest, n_threads)
+    e2e, prefill, decode = [], [], []
+    try:
+        for _ in range(num_warmup):
+            engine.run(batch)
+        for _ in tqdm(range(num_iters), desc="llama.cpp iterations"):
+            result = engine.run(batch)
+            first, last = max(result.first_token_times), max(result.finish_times)
+            e2e.append(result.seconds)
+            prefill.append(first)
+            steps = batch[0].output_len - 1
+            if steps > 0:
+                decode.append((last - first) / steps)
+    finally:
+        engine.close()
+    return {"e2e": rep.summarize(e2e), "prefill": rep.summarize(prefill), "decode_per_token": rep.summarize(decode)}
 
 
 def check_args(ns: argparse.Namespace) -> None:
@@ -95,6 +124,10 @@ def run(ns: argparse.Namespace) -> int:
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
+    if ns.baseline == "llama-cpp":
+        from pagedserve.bench.llama_cpp_baseline import load_bindings
+
+        load_bindings()  # not installed: say so before pagedserve's run, not after it
     figures = common.machine(ns)
     kwargs = common.engine_kwargs(ns)
     kwargs.setdefault("max_num_seqs", max(ns.batch_size, 1))
@@ -118,6 +151,8 @@ def run(ns: argparse.Namespace) -> int:
             facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config)
         finally:
             llm.shutdown()
+        baseline = (llama_cpp_latency(model, batch, ns.num_iters, ns.num_iters_warmup, ns.cpu_threads)
+                    if ns.baseline == "llama-cpp" else None)
     e2e = [t[0] for t in times]
     prefill = [t[1] for t in times]
     decode = [t[2] for t in times if t[2] is not None]
@@ -151,14 +186,28 @@ def run(ns: argparse.Namespace) -> int:
             run_entry["roofline"]["decode"] = step_roofline(
                 facts, figures, tokens=b, context_tokens=context, measured_s=sum(decode) / len(decode),
                 host_share=host["host_share"] if host else None).to_dict()
+    runs = [run_entry]
+    ratios = None
+    if baseline is not None:
+        runs.append({**run_entry, "name": f"llama.cpp, {run_entry['name']}", "params": {**run_entry["params"],
+                     "engine": "llama-cpp"}, "latency_ms": baseline, "roofline": {},
+                     "duration_s": baseline["e2e"]["mean"] / 1000 * ns.num_iters,
+                     "throughput": rep.throughput(n, prompt_tokens, output_tokens,
+                                                  baseline["e2e"]["mean"] / 1000 * ns.num_iters)})
+        ratios = {key: baseline[key]["p50"] / run_entry["latency_ms"][key]["p50"]
+                  for key in ("e2e", "prefill", "decode_per_token")
+                  if (run_entry["latency_ms"].get(key) or {}).get("p50") and (baseline.get(key) or {}).get("p50")}
     report = rep.make_report("latency", model if ns.random_weights is None else f"random-{ns.random_weights}",
-                             {k: v for k, v in vars(ns).items() if k != "bench_func"}, [run_entry],
+                             {k: v for k, v in vars(ns).items() if k != "bench_func"}, runs,
                              figures.to_dict() if figures else None,
                              {"e2e_mean_ms": run_entry["latency_ms"]["e2e"]["mean"],
-                              "model_dtype": facts.dtype})
+                              "model_dtype": facts.dtype,
+                              **({"llama_cpp_over_pagedserve_median_time": ratios} if ratios else {})})
     parts = [f"pagedserve bench latency: {run_entry['name']}, {ns.workload} workload, {ns.num_iters} iterations"
              + (f", speculative {ns.speculative_config}" if ns.speculative_config else ""),
-             rep.latency_table(run_entry),
+             *[f"{r['name']}\n" + rep.latency_table(r) for r in runs],
+             None if not ratios else "llama.cpp time / pagedserve time (median; above 1: pagedserve faster): "
+             + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()),
              common.spec_decode_line(spec, ns.speculative_config),
              common.host_overhead_line(host, f"a decode step at batch {ns.batch_size}"),
              rep.machine_line(report["machine"]),

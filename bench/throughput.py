@@ -6,7 +6,9 @@ JSONL prompts or a ShareGPT JSON file). Every request produces exactly its outpu
 (`ignore_eos`). `--baseline hf` then runs HF transformers `generate` with static batching on the same
 weights, dtype and workload in the same process, at each `--hf-batch-sizes` size (on the whole workload
 when it holds at most `--hf-calibration-prompts` requests, else on that many to pick the size that runs
-it all), and prints the ratio against the fastest.
+it all), and prints the ratio against the fastest. `--baseline llama-cpp` runs llama.cpp on the same GGUF
+file and workload (continuous batching at each `--llama-cpp-batch-sizes` size, `llama_cpp_baseline`);
+`--baseline hf,llama-cpp` runs both.
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", choices=["random", "repeat"], default="random",
                    help="synthetic prompts of random token ids, or (repeat) code-editing prompts whose output "
                         "re-emits part of the input (what n-gram speculation is for)")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none",
-                   help="hf: also run HF generate (static batching) on the same workload")
+    p.add_argument("--baseline", type=common.parse_baselines, default=[],
+                   help="comma-separated: hf (HF generate, static batching) and/or llama-cpp (llama.cpp on the "
+                        "same GGUF file, continuous batching) on the same workload; none (default) for neither")
+    p.add_argument("--llama-cpp-batch-sizes", default="8,16,32",
+                   help="llama.cpp sequences in flight to sweep, each over the whole workload; the fastest is "
+                        "the baseline (default 8,16,32)")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64",
                    help="HF static batch sizes to sweep; the fastest is the baseline (default 8,16,32,64)")
     p.add_argument("--hf-calibration-prompts", type=int, default=32,
@@ -128,7 +134,12 @@ def run(ns: argparse.Namespace) -> int:
     from pagedserve.engine.models.loader import resolve_dtype
     from pagedserve.engine.sampling_params import SamplingParams
 
-    candidates = parse_batch_sizes(ns.hf_batch_sizes) if ns.baseline == "hf" else []
+    candidates = parse_batch_sizes(ns.hf_batch_sizes) if "hf" in ns.baseline else []
+    llama_sizes = parse_batch_sizes(ns.llama_cpp_batch_sizes, "--llama-cpp-batch-sizes") if "llama-cpp" in ns.baseline else []
+    if llama_sizes:
+        from pagedserve.bench.llama_cpp_baseline import load_bindings
+
+        load_bindings()  # not installed: say so before pagedserve's run, not after it
     figures = common.machine(ns)
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
@@ -184,7 +195,7 @@ def run(ns: argparse.Namespace) -> int:
                        preemptions=stats.num_preemptions, model_dtype=facts.dtype)
         if decode_host:
             summary["decode_host_overhead"] = decode_host
-        if ns.baseline == "hf":
+        if "hf" in ns.baseline:
             torch_dtype = resolve_dtype(ns.dtype, hf_config, "cpu")
             pad = int(getattr(hf_config, "pad_token_id", None) or 0)
             hf = hf_baseline(model, torch_dtype, workload, candidates, ns.hf_calibration_prompts, pad)
@@ -198,10 +209,26 @@ def run(ns: argparse.Namespace) -> int:
             if figures is not None:  # HF's forward passes; its host share is not measured
                 runs[-1]["roofline"]["run"] = run_roofline(facts, figures, lengths, hf.steps, hf.seconds).to_dict()
             summary["hf_out_tok_s_by_batch_size"] = {str(bs): rate for bs, rate in hf.rates.items()}
+            summary["hf_batch_size"] = hf.batch_size
             summary["hf_swept_on"] = ("the whole workload" if hf.swept_whole_workload
                                       else f"the first {ns.hf_calibration_prompts} requests")
             summary["ratio_output_tokens_per_s"] = (ours["throughput"]["output_tokens_per_s"]
                                                     / runs[-1]["throughput"]["output_tokens_per_s"])
+        if llama_sizes:
+            from pagedserve.bench.llama_cpp_baseline import llama_cpp_baseline
+
+            best, rates = llama_cpp_baseline(model, workload, llama_sizes, ns.cpu_threads)
+            runs.append({
+                "name": f"llama.cpp (batch {best.batch_size})",
+                "params": {"engine": "llama-cpp", "batch_size": best.batch_size},
+                "num_requests": len(workload), "completed": len(workload), "failed": 0,
+                "prompt_tokens": prompt_tokens, "output_tokens": best.output_tokens, "duration_s": best.seconds,
+                "throughput": rep.throughput(len(workload), prompt_tokens, best.output_tokens, best.seconds),
+                "latency_ms": {"ttft": rep.summarize(best.first_token_times)}, "roofline": {},
+            })
+            summary["llama_cpp_out_tok_s_by_batch_size"] = {str(bs): rate for bs, rate in rates.items()}
+            summary["ratio_vs_llama_cpp_output_tokens_per_s"] = (ours["throughput"]["output_tokens_per_s"]
+                                                                 / runs[-1]["throughput"]["output_tokens_per_s"])
     label = model if ns.random_weights is None else f"random-{ns.random_weights}"
     report = rep.make_report("throughput", label, {k: v for k, v in vars(ns).items() if k != "bench_func"}, runs,
                              figures.to_dict() if figures else None, summary)
@@ -215,8 +242,13 @@ def run(ns: argparse.Namespace) -> int:
     if "ratio_output_tokens_per_s" in summary:
         swept = ", ".join(f"batch {bs}: {rate:.1f}" for bs, rate in summary["hf_out_tok_s_by_batch_size"].items())
         parts.append(f"HF generate output tok/s by batch size, on {summary['hf_swept_on']}: {swept}\n"
-                     f"pagedserve / HF (batch {runs[-1]['params']['batch_size']}, its fastest) output tok/s: "
+                     f"pagedserve / HF (batch {summary['hf_batch_size']}, its fastest) output tok/s: "
                      f"{summary['ratio_output_tokens_per_s']:.2f}x")
+    if "ratio_vs_llama_cpp_output_tokens_per_s" in summary:
+        swept = ", ".join(f"batch {bs}: {rate:.1f}" for bs, rate in summary["llama_cpp_out_tok_s_by_batch_size"].items())
+        parts.append(f"llama.cpp output tok/s by batch size (whole workload): {swept}\n"
+                     f"pagedserve / llama.cpp (its fastest) output tok/s: "
+                     f"{summary['ratio_vs_llama_cpp_output_tokens_per_s']:.2f}x")
     if ns.speculative_config:
         parts.append(common.spec_decode_line(spec, ns.speculative_config))
     parts.append(common.host_overhead_line(host, "pagedserve's engine steps (whole run)"))

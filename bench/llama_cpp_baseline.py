@@ -1,0 +1,210 @@
+"""The llama.cpp baseline of `bench throughput|latency --baseline llama-cpp`: llama.cpp itself (through
+llama-cpp-python's bindings of its C API) on the same GGUF file and workload, in the same process.
+
+llama-cpp-python is an optional dependency (`pip install 'pagedserve[llama-cpp]'`, built from its sdist
+for this machine's CPU). Its high-level `Llama` class generates one sequence at a time, which is not
+llama.cpp at its best on a many-request workload, so this drives the C API the way llama.cpp's own
+`batched`/`parallel` examples do: up to `batch_size` sequences share one context (one KV cache, one
+sequence id each), every `llama_decode` call carries one token of each decoding sequence plus as many
+prompt tokens of newly admitted ones as fit in `n_batch` (chunked prefill), the next token is the
+argmax of that sequence's logits (greedy; every request produces exactly its output length, as in
+pagedserve's run), and a finished sequence's KV is dropped and the next request admitted (continuous
+batching). The model runs in the precision its file stores (a Q4_1 file stays Q4_1).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedserve.bench.workload import BenchRequest
+
+INSTALL_HINT = ("llama-cpp-python is not installed: `pip install 'pagedserve[llama-cpp]'` (it builds llama.cpp "
+                "from source for this CPU)")
+
+
+def load_bindings() -> Any:
+    """The `llama_cpp` module (its C API bindings), or ValueError naming the flag and how to install it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ValueError(f"--baseline llama-cpp: {INSTALL_HINT}") from None
+    return llama_cpp
+
+
+def gguf_file_of(model: str) -> Path:
+    """The GGUF file llama.cpp loads for MODEL (a .gguf file, or a folder holding exactly one)."""
+    from pagedserve.engine.models.gguf_loader import find_gguf_file
+
+    found = find_gguf_file(model)
+    if found is None:
+        raise ValueError(f"--baseline llama-cpp: llama.cpp runs GGUF files; {model!r} is not one (convert it "
+                         f"with llama.cpp's convert_hf_to_gguf.py, or use --baseline hf)")
+    return Path(found)
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    request: BenchRequest
+    prefilled: int = 0  # prompt tokens already decoded
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None  # sampled, not yet fed back
+    first_token_time: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.request.output_len
+
+
+@dataclass(frozen=True)
+class LlamaCppRun:
+    """One run of a workload through llama.cpp at one batch size."""
+
+    seconds: float
+    batch_size: int
+    decode_calls: int  # llama_decode calls (forward passes)
+    output_tokens: int
+    first_token_times: list[float]  # seconds from the start, one per request
+    finish_times: list[float]
+
+
+class LlamaCppEngine:
+    """One llama.cpp model and context sized for `batch_size` sequences of up to `max_seq_len` tokens."""
+
+    def __init__(self, gguf_file: Path, batch_size: int, max_seq_len: int, n_threads: int | None = None,
+                 n_batch: int = 512) -> None:
+        self.lc = lc = load_bindings()
+        self.batch_size = batch_size
+        self.n_batch = max(n_batch, batch_size)
+        lc.llama_backend_init()
+        model_params = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(gguf_file).encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_file}")
+        threads = n_threads or os.cpu_count() or 1
+        ctx_params = lc.llama_context_default_params()
+        ctx_params.n_ctx = batch_size * max_seq_len
+        ctx_params.n_batch = self.n_batch
+        ctx_params.n_ubatch = self.n_batch
+        ctx_params.n_seq_max = batch_size
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(self.model, ctx_params)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(self.n_batch, 0, batch_size)
+
+    def close(self) -> None:
+        lc = self.lc
+        lc.llama_batch_free(self.batch)
+        lc.llama_free(self.ctx)
+        lc.llama_model_free(self.model)
+
+    def _drop(self, seq_id: int) -> None:
+        lc = self.lc
+        if hasattr(lc, "llama_get_memory"):
+            lc.llama_memory_seq_rm(lc.llama_get_memory(self.ctx), seq_id, -1, -1)
+        else:  # older bindings
+            lc.llama_kv_self_seq_rm(self.ctx, seq_id, -1, -1)
+
+    def _argmax(self, index: int) -> int:
+        logits = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
+        return int(np.argmax(logits))
+
+    def run(self, workload: list[BenchRequest]) -> LlamaCppRun:
+        """Every request greedily to exactly its output length, `batch_size` sequences at a time."""
+        pending = deque(enumerate(workload))
+        free_ids = list(range(self.batch_size))
+        live: dict[int, tuple[int, _Sequence]] = {}  # seq id -> (request index, sequence)
+        first = [0.0] * len(workload)
+        finish = [0.0] * len(workload)
+        calls = produced = 0
+        start = time.perf_counter()
+        while pending or live:
+            while pending and free_ids:
+                index, request = pending.popleft()
+                seq_id = free_ids.pop()
+                live[seq_id] = (index, _Sequence(seq_id, request))
+            # One token of every decoding sequence first, then prompt chunks in the room that is left.
+            entries: list[tuple[int, int, int, bool]] = []  # (token, position, seq id, wants logits)
+            for seq_id, (_, seq) in live.items():
+                if seq.next_token is not None:
+                    position = len(seq.request.prompt_token_ids) + len(seq.generated) - 1
+                    entries.append((seq.next_token, position, seq_id, True))
+            for seq_id, (_, seq) in live.items():
+                prompt = seq.request.prompt_token_ids
+                room = self.n_batch - len(entries)
+                if seq.prefilled >= len(prompt) or room <= 0:
+                    continue
+                chunk = prompt[seq.prefilled: seq.prefilled + room]
+                for offset, token in enumerate(chunk):
+                    position = seq.prefilled + offset
+                    entries.append((token, position, seq_id, position == len(prompt) - 1))
+                seq.prefilled += len(chunk)
+            logit_rows = self._decode(entries)
+            calls += 1
+            now = time.perf_counter() - start
+            for seq_id, row in logit_rows:
+                index, seq = live[seq_id]
+                token = self._argmax(row)
+                seq.generated.append(token)
+                produced += 1
+                if len(seq.generated) == 1:
+                    first[index] = now
+                seq.next_token = token
+                if seq.done:
+                    finish[index] = now
+                    self._drop(seq_id)
+                    del live[seq_id]
+                    free_ids.append(seq_id)
+        return LlamaCppRun(time.perf_counter() - start, self.batch_size, calls, produced, first, finish)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[tuple[int, int]]:
+        """One `llama_decode` over these tokens; returns (seq id, logits row) of the rows that sample."""
+        batch = self.batch
+        rows = []
+        for i, (token, position, seq_id, logits) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = 1 if logits else 0
+            if logits:
+                rows.append((seq_id, i))
+        batch.n_tokens = len(entries)
+        status = self.lc.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status} (context too small for the batch?)")
+        return rows
+
+
+def llama_cpp_baseline(model: str, workload: list[BenchRequest], batch_sizes: list[int],
+                       n_threads: int | None = None) -> tuple[LlamaCppRun, dict[int, float]]:
+    """llama.cpp over the whole workload at every batch size (each run on its own fresh context after one
+    short warm-up): the fastest run, and every size's output tokens per second."""
+    gguf_file = gguf_file_of(model)
+    load_bindings()
+    max_seq_len = max(len(r.prompt_token_ids) + r.output_len for r in workload)
+    best: LlamaCppRun | None = None
+    rates: dict[int, float] = {}
+    for batch_size in sorted(set(batch_sizes)):
+        engine = LlamaCppEngine(gguf_file, batch_size, max_seq_len, n_threads)
+        try:
+            engine.run([BenchRequest(workload[0].prompt_token_ids, 2)])  # warm-up
+            result = engine.run(workload)
+        finally:
+            engine.close()
+        rates[batch_size] = result.output_tokens / result.seconds
+        if best is None or result.seconds < best.seconds:
+            best = result
+    assert best is not None
+    return best, rates
