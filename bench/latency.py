@@ -148,7 +148,7 @@ def run(ns: argparse.Namespace) -> int:
             times = [_iteration(llm, prompts, params) for _ in tqdm(range(ns.num_iters), desc="iterations")]
             spec = common.spec_decode_delta(before, llm.get_stats())
             prefill_host, host = host_overheads(llm, prompts, params)
-            facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config)
+            facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config, quantization=ns.quantization or "auto")
         finally:
             llm.shutdown()
         baseline = (llama_cpp_latency(model, batch, ns.num_iters, ns.num_iters_warmup, ns.cpu_threads)

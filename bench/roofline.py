@@ -62,6 +62,9 @@ class ModelFacts:
     tie_word_embeddings: bool
     dtype_bytes: int
     dtype: str
+    # The matmul weights' bytes as the engine holds them when some stay quantized (GGUF blocks, int8/int4
+    # RTN); None: every matmul weight is in the run dtype.
+    quantized_weight_bytes: int | None = None
 
     @property
     def matmul_params(self) -> int:
@@ -74,6 +77,8 @@ class ModelFacts:
     @property
     def weight_bytes(self) -> int:
         """W: weight bytes read once per step (the layers' norms are a rounding error and left out)."""
+        if self.quantized_weight_bytes is not None:
+            return self.quantized_weight_bytes
         return self.matmul_params * self.dtype_bytes
 
     @property
@@ -96,16 +101,57 @@ class ModelFacts:
         )
 
 
-def model_facts(model: str, dtype: str = "auto", hf_config: Any = None) -> ModelFacts:
+def model_facts(model: str, dtype: str = "auto", hf_config: Any = None, quantization: str | None = "auto") -> ModelFacts:
     """ModelFacts for a model folder or GGUF file (or its already loaded HF config), at the dtype the
-    engine runs it in on the CPU."""
+    engine runs it in on the CPU, with the weight bytes of what `quantization` keeps quantized."""
+    import dataclasses
+
     from pagedserve.engine.config import EngineConfig
     from pagedserve.engine.models.loader import resolve_dtype
 
-    if hf_config is None:
-        hf_config = EngineConfig(model=model).resolve().hf_config
+    config = EngineConfig(model=model, quantization=quantization).resolve()
+    hf_config = hf_config if hf_config is not None else config.hf_config
     run_dtype = resolve_dtype(dtype, hf_config, "cpu")
-    return ModelFacts.from_hf_config(hf_config, str(run_dtype).removeprefix("torch."))
+    facts = ModelFacts.from_hf_config(hf_config, str(run_dtype).removeprefix("torch."))
+    quantized = quantized_weight_bytes(model, config.quantization, facts)
+    return dataclasses.replace(facts, quantized_weight_bytes=quantized) if quantized is not None else facts
+
+
+# The GGUF tensors of one layer that the engine fuses into one matmul (kept quantized only when their
+# types agree, as `parallel.quant.GGUFQuantConfig.qtype` decides).
+_FUSED_GGUF_PARTS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_output",), ("ffn_down",))
+
+
+def quantized_weight_bytes(model: str, quantization: str | None, facts: ModelFacts) -> int | None:
+    """The matmul weights' bytes when the engine keeps some quantized (`quantization` as resolved: "gguf",
+    "int8", "int4"); None when they all run in the run dtype."""
+    from pagedserve.engine.models.loader import RTN_WEIGHT_TYPES
+    from pagedserve.kernels.torch_impl.gguf_quant import row_bytes
+
+    if quantization in RTN_WEIGHT_TYPES:  # every linear layer quantized; the LM head stays float
+        qtype = RTN_WEIGHT_TYPES[quantization]
+        linear_params = facts.matmul_params - facts.vocab_size * facts.hidden_size
+        per_weight = row_bytes(qtype, 256) / 256
+        return int(linear_params * per_weight) + facts.vocab_size * facts.hidden_size * facts.dtype_bytes
+    if quantization != "gguf":
+        return None
+    from pagedserve.engine.models.gguf_config import open_reader
+    from pagedserve.engine.models.gguf_loader import QUANTIZED_TYPES, find_gguf_file
+
+    tensors = {t.name: t for t in open_reader(find_gguf_file(model)).tensors}
+
+    def held_bytes(parts: list[Any]) -> int:
+        kinds = {t.tensor_type.name for t in parts}
+        if len(kinds) == 1 and kinds.pop() in QUANTIZED_TYPES:
+            return sum(int(t.n_bytes) for t in parts)
+        return sum(int(t.n_elements) for t in parts) * facts.dtype_bytes
+
+    total = 0
+    for layer in range(facts.num_layers):
+        for group in _FUSED_GGUF_PARTS:
+            total += held_bytes([tensors[f"blk.{layer}.{name}.weight"] for name in group])
+    head = tensors.get("output.weight") or tensors["token_embd.weight"]  # a tied LM head reads the embedding
+    return total + held_bytes([head])
 
 
 @dataclass(frozen=True)

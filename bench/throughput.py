@@ -149,7 +149,7 @@ def run(ns: argparse.Namespace) -> int:
             workload = make_workload(ns, llm)
             hf_config = llm.llm_engine.config.hf_config
             max_num_seqs = llm.llm_engine.config.max_num_seqs
-            facts = model_facts(model, ns.dtype, hf_config)
+            facts = model_facts(model, ns.dtype, hf_config, quantization=ns.quantization or "auto")
             prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
             params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
             llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

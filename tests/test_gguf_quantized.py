@@ -331,3 +331,23 @@ def test_k_quant_tensor_parallel_needs_whole_super_blocks(tmp_path):
         load_model(str(path), hf_config, torch.float32, ctx, quantization="gguf")  # o_proj: 128 inputs per rank
     model = load_model(str(path), hf_config, torch.float32, ctx, quantization="none")
     assert model.model.layers[0].self_attn.o_proj.weight.shape == (256, 128)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_roofline_counts_the_weight_bytes_the_quantized_engine_holds(tmp_path, tied):
+    """The benchmark roofline's W for a quantized run is the bytes of the matmul weights as loaded."""
+    from pagedserve.bench.roofline import model_facts
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", hf_weights("llama", tied=tied), "Q4_1")
+    hf_config = EngineConfig(model=str(path)).resolve().hf_config
+    model = load_model(str(path), hf_config, torch.float32, ParallelContext.single(), quantization="gguf")
+    held = 0
+    for layer in model.model.layers:
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            held += module.weight.numel() * module.weight.element_size()
+    held += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    facts = model_facts(str(path), "float32")
+    assert facts.weight_bytes == held
+    dense = model_facts(str(path), "float32", quantization="none")
+    assert dense.quantized_weight_bytes is None and dense.weight_bytes > 4 * held

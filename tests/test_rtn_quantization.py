@@ -105,3 +105,15 @@ def test_rtn_tensor_parallel_ranks_quantize_their_own_slice(tmp_path, tp_rank):
     hf_config, _ = build_checkpoint(transformers.LlamaConfig, tmp_path / "odd")
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 would split the 32-element Q8_0 blocks"):
         load_model(str(tmp_path / "odd"), hf_config, torch.float32, ctx, quantization="int8")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_roofline_counts_the_weight_bytes_the_rtn_engine_holds(tmp_path, quantization):
+    from pagedserve.bench.roofline import model_facts
+
+    hf_config, _ = build_checkpoint(transformers.LlamaConfig, tmp_path, intermediate_size=128)
+    model = load_model(str(tmp_path), hf_config, torch.float32, ParallelContext.single(), quantization=quantization)
+    held = sum(m.weight.numel() * m.weight.element_size() for layer in model.model.layers
+               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    held += model.lm_head.weight.numel() * 4  # float32 LM head
+    assert model_facts(str(tmp_path), "float32", quantization=quantization).weight_bytes == held
