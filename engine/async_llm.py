@@ -119,9 +119,10 @@ class AsyncLLM:
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, sampling_params, priority, output_kind, stream, bad_words_ids),
                             added))
-        finished = False
+        finished = accepted = False
         try:
             await asyncio.wrap_future(added)  # raises the processor's ValueError, if any
+            accepted = True
             error: BaseException | None = None  # met while merging: raised after what came before it
             while True:
                 if error is not None:
@@ -142,8 +143,17 @@ class AsyncLLM:
                     return
         finally:
             self._num_active -= 1
-            if not finished:
+            if accepted and not finished:
                 self._commands.put(("abort", [request_id], None))
+            elif not accepted:
+                # Never abort by id a request this call did not add: a refused add (e.g. the id is in use)
+                # names another caller's request. A caller that left while its add was being applied
+                # aborts it once the add is through.
+                added.add_done_callback(lambda future: self._abort_if_added(future, request_id))
+
+    def _abort_if_added(self, future: concurrent.futures.Future, request_id: str) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._commands.put(("abort", [request_id], None))
 
     def release_kv(self, holds: list[tuple[str, str]]) -> None:
         """Prefill producer: readers are done with these holds' KV, each (hold id, hold token) (thread-safe)."""
@@ -214,6 +224,8 @@ class AsyncLLM:
             return False
         if kind == "add":
             request_id, prompt, params, priority, output_kind, stream, bad_words_ids = payload
+            if not future.set_running_or_notify_cancel():
+                return True  # its caller left before the add was applied: nothing to add
             try:
                 self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=output_kind,
                                         bad_words_ids=bad_words_ids)

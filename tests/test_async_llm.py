@@ -195,3 +195,50 @@ def test_failed_executor_stops_the_engine_so_it_can_be_restarted(tiny_llama):
         assert not stats.engine_alive and not stats.healthy
     finally:
         engine.shutdown()
+
+
+def test_a_refused_duplicate_request_id_leaves_the_running_request_alone(async_llm):
+    """A second generate() under a running request's id is refused (ValueError), and that refusal never
+    aborts the first request, which finishes with every token."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def run():
+        first = asyncio.create_task(_collect(async_llm, "def fibonacci(n):", params, request_id="dup"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="already in use"):
+            await _collect(async_llm, "import os", params, request_id="dup")
+        return await asyncio.wait_for(first, 120)  # an aborted first request would never finish here
+
+    text, tokens, finals = asyncio.run(run())
+    assert len(tokens) == 24 and finals == ["length"]
+
+
+def test_a_caller_that_leaves_while_its_request_is_being_added_leaves_nothing_running(async_llm):
+    """Cancelled at every point around the add: the engine stays alive and every block is free again."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    async def leave_early(delay_turns: int):
+        agen = async_llm.generate("The quick brown fox", params)
+        task = asyncio.ensure_future(anext(agen))
+        for _ in range(delay_turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await agen.aclose()
+
+    async def run():
+        for turns in range(6):
+            await leave_early(turns)
+        # The engine still serves, and nothing of the cancelled calls keeps running.
+        _, tokens, _ = await _collect(async_llm, "import os", params)
+        for _ in range(200):
+            stats = async_llm.get_stats()
+            if stats.num_unfinished == 0:
+                break
+            await asyncio.sleep(0.02)
+        return tokens, stats
+
+    tokens, stats = asyncio.run(run())
+    assert len(tokens) == 16
+    assert stats.healthy and stats.num_unfinished == 0
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
