@@ -36,19 +36,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the input (what n-gram speculation is for)")
     p.add_argument("--baseline", choices=["none", "llama-cpp"], default="none",
                    help="llama-cpp: also time llama.cpp on the same GGUF file and batch")
+    p.add_argument("--llama-cpp-extra-buffers", action="store_true",
+                   help="let llama.cpp use its extra weight buffer types (AMX, repacked layouts); off by default")
     common.add_engine_args(p)
     common.add_output_args(p)
     p.set_defaults(bench_func=run)
 
 
-def llama_cpp_latency(model: str, batch: list, num_iters: int, num_warmup: int,
-                      n_threads: int | None) -> dict[str, dict[str, float]]:
+def llama_cpp_latency(model: str, batch: list, num_iters: int, num_warmup: int, n_threads: int | None,
+                      extra_buffers: bool = False) -> dict[str, dict[str, float]]:
     """llama.cpp's e2e, prefill (until every sequence has its first token) and decode-per-token times of
     the batch, over `num_iters` runs on one context (after `num_warmup`), in the latency table's shape."""
     from pagedserve.bench.llama_cpp_baseline import LlamaCppEngine, gguf_file_of
 
     longest = max(len(r.prompt_token_ids) + r.output_len for r in batch)
-    engine = LlamaCppEngine(gguf_file_of(model), len(batch), longest, n_threads)
+    engine = LlamaCppEngine(gguf_file_of(model), len(batch), longest, n_threads, extra_buffers=extra_buffers)
     e2e, prefill, decode = [], [], []
     try:
         for _ in range(num_warmup):
@@ -151,7 +153,8 @@ def run(ns: argparse.Namespace) -> int:
             facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config, quantization=ns.quantization or "auto")
         finally:
             llm.shutdown()
-        baseline = (llama_cpp_latency(model, batch, ns.num_iters, ns.num_iters_warmup, ns.cpu_threads)
+        baseline = (llama_cpp_latency(model, batch, ns.num_iters, ns.num_iters_warmup, ns.cpu_threads,
+                                      ns.llama_cpp_extra_buffers)
                     if ns.baseline == "llama-cpp" else None)
     e2e = [t[0] for t in times]
     prefill = [t[1] for t in times]

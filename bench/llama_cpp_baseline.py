@@ -29,12 +29,20 @@ INSTALL_HINT = ("llama-cpp-python is not installed: `pip install 'pagedserve[lla
                 "from source for this CPU)")
 
 
+_QUIET_LOG: Any = None  # the C log callback that drops llama.cpp's messages (kept alive: C holds a pointer)
+
+
 def load_bindings() -> Any:
-    """The `llama_cpp` module (its C API bindings), or ValueError naming the flag and how to install it."""
+    """The `llama_cpp` module (its C API bindings), or ValueError naming the flag and how to install it.
+    llama.cpp's own log (every tensor it loads) is silenced: the benchmark prints its own report."""
+    global _QUIET_LOG
     try:
         import llama_cpp
     except ImportError:
         raise ValueError(f"--baseline llama-cpp: {INSTALL_HINT}") from None
+    if _QUIET_LOG is None and hasattr(llama_cpp, "llama_log_set") and hasattr(llama_cpp, "llama_log_callback"):
+        _QUIET_LOG = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+        llama_cpp.llama_log_set(_QUIET_LOG, None)
     return llama_cpp
 
 
@@ -79,21 +87,31 @@ class LlamaCppEngine:
     """One llama.cpp model and context sized for `batch_size` sequences of up to `max_seq_len` tokens."""
 
     def __init__(self, gguf_file: Path, batch_size: int, max_seq_len: int, n_threads: int | None = None,
-                 n_batch: int = 512) -> None:
+                 n_batch: int = 512, extra_buffers: bool = False) -> None:
+        """`extra_buffers`: llama.cpp's extra weight buffer types (AMX, repacked layouts). Off by default:
+        in llama-cpp-python 0.3.36 built natively on a CPU with AMX, every call of more than one token
+        crashed the process (segmentation fault) with them on; a machine where they work can turn them on
+        (`--llama-cpp-extra-buffers`)."""
         self.lc = lc = load_bindings()
         self.batch_size = batch_size
-        self.n_batch = max(n_batch, batch_size)
+        n_ctx = batch_size * max_seq_len
+        # llama.cpp sizes its buffers for at most n_ctx tokens per call: a larger n_batch breaks it.
+        self.n_batch = min(max(n_batch, batch_size), n_ctx)
         lc.llama_backend_init()
         model_params = lc.llama_model_default_params()
+        if hasattr(model_params, "use_extra_bufts"):
+            model_params.use_extra_bufts = extra_buffers
         self.model = lc.llama_model_load_from_file(str(gguf_file).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf_file}")
         threads = n_threads or os.cpu_count() or 1
         ctx_params = lc.llama_context_default_params()
-        ctx_params.n_ctx = batch_size * max_seq_len
+        ctx_params.n_ctx = n_ctx
         ctx_params.n_batch = self.n_batch
         ctx_params.n_ubatch = self.n_batch
         ctx_params.n_seq_max = batch_size
+        if hasattr(ctx_params, "kv_unified"):
+            ctx_params.kv_unified = True  # one KV pool that sequences of any length share, as a paged cache does
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
         self.ctx = lc.llama_init_from_model(self.model, ctx_params)
@@ -188,7 +206,7 @@ class LlamaCppEngine:
 
 
 def llama_cpp_baseline(model: str, workload: list[BenchRequest], batch_sizes: list[int],
-                       n_threads: int | None = None) -> tuple[LlamaCppRun, dict[int, float]]:
+                       n_threads: int | None = None, extra_buffers: bool = False) -> tuple[LlamaCppRun, dict[int, float]]:
     """llama.cpp over the whole workload at every batch size (each run on its own fresh context after one
     short warm-up): the fastest run, and every size's output tokens per second."""
     gguf_file = gguf_file_of(model)
@@ -197,7 +215,7 @@ def llama_cpp_baseline(model: str, workload: list[BenchRequest], batch_sizes: li
     best: LlamaCppRun | None = None
     rates: dict[int, float] = {}
     for batch_size in sorted(set(batch_sizes)):
-        engine = LlamaCppEngine(gguf_file, batch_size, max_seq_len, n_threads)
+        engine = LlamaCppEngine(gguf_file, batch_size, max_seq_len, n_threads, extra_buffers=extra_buffers)
         try:
             engine.run([BenchRequest(workload[0].prompt_token_ids, 2)])  # warm-up
             result = engine.run(workload)

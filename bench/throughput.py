@@ -47,6 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llama-cpp-batch-sizes", default="8,16,32",
                    help="llama.cpp sequences in flight to sweep, each over the whole workload; the fastest is "
                         "the baseline (default 8,16,32)")
+    p.add_argument("--llama-cpp-extra-buffers", action="store_true",
+                   help="let llama.cpp use its extra weight buffer types (AMX, repacked layouts); off by default "
+                        "(they crashed multi-token calls of llama-cpp-python 0.3.36 on an AMX machine)")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64",
                    help="HF static batch sizes to sweep; the fastest is the baseline (default 8,16,32,64)")
     p.add_argument("--hf-calibration-prompts", type=int, default=32,
@@ -217,7 +220,8 @@ def run(ns: argparse.Namespace) -> int:
         if llama_sizes:
             from pagedserve.bench.llama_cpp_baseline import llama_cpp_baseline
 
-            best, rates = llama_cpp_baseline(model, workload, llama_sizes, ns.cpu_threads)
+            best, rates = llama_cpp_baseline(model, workload, llama_sizes, ns.cpu_threads,
+                                             extra_buffers=ns.llama_cpp_extra_buffers)
             runs.append({
                 "name": f"llama.cpp (batch {best.batch_size})",
                 "params": {"engine": "llama-cpp", "batch_size": best.batch_size},
