@@ -282,3 +282,29 @@ def test_a_tier_on_local_disk(tiny_llama, tier_llms, tmp_path):
     check_all_blocks(llm)
     llm.shutdown()  # an engine takes its files with it
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_a_decode_engine_runs_the_tier_beside_its_prefill_decode_connector(tiny_llama, tier_llms):
+    """A PD consumer with a tier: pulled prompts equal the monolithic engine's, and a plain request whose
+    prefix it evicted reloads from the tier (the two connectors side by side)."""
+    from tests.test_kv_transfer import _decode, _prefill
+
+    rng = random.Random(9)
+    producer = _llm(tiny_llama, None, num_kv_blocks=96, kv_transfer_config={
+        "kv_connector": "inproc", "kv_role": "kv_producer"})
+    try:
+        consumer = tier_llms(tiny_llama, kv_transfer_config={"kv_connector": "inproc", "kv_role": "kv_consumer"})
+        reference = tier_llms(tiny_llama, None, num_kv_blocks=4096)
+        prompts = [_tokens(rng, PREFIX + 5) for _ in range(2)]
+        got = _decode(consumer, prompts, _prefill(producer, prompts))
+        assert [c.token_ids for o in got for c in o.outputs] == _ids(_run(reference, prompts, SamplingParams(
+            max_tokens=8, temperature=0, ignore_eos=True)))
+        assert consumer.get_stats().kv_transfer["loads"] == 2
+        _evict_all(consumer, rng)
+        again = prompts[0][:PREFIX] + _tokens(rng, 5)
+        out = _run(consumer, [again])
+        assert _ids(out) == _ids(_run(reference, [again])) and out[0].num_cached_tokens == PREFIX
+        assert _offload(consumer)["hit_tokens"] == PREFIX and consumer.get_stats().kv_transfer["loads"] == 2
+        check_all_blocks(consumer)
+    finally:
+        producer.shutdown()
