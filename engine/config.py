@@ -266,8 +266,16 @@ class EngineConfig(BaseModel):
         from pagedserve.kv_transfer.factory import OffloadSpec
 
         hf = self.hf_config.to_json_string() if self.hf_config is not None else ""
-        identity = f"{os.path.realpath(self.model)}|{self.quantization}|{hashlib.sha256(hf.encode()).hexdigest()}"
-        return OffloadSpec(identity, self.kv_offload_bytes, self.kv_offload_dir)
+        path = os.path.realpath(self.model)
+        # The weight files as they are now (name, size, mtime): new weights saved over the same path get a tier
+        # of their own, never the KV computed with the old ones.
+        files = sorted(os.scandir(path), key=lambda e: e.name) if os.path.isdir(path) else []
+        weights = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in files
+                   if e.is_file() and e.name.endswith((".safetensors", ".bin", ".gguf", ".pt"))]
+        if os.path.isfile(path):
+            weights = [(path, os.path.getsize(path), os.stat(path).st_mtime_ns)]
+        key = f"{path}|{self.quantization}|{hf}|{weights}"
+        return OffloadSpec(hashlib.sha256(key.encode()).hexdigest(), self.kv_offload_bytes, self.kv_offload_dir)
 
     @property
     def resolved_device(self) -> str:

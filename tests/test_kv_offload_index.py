@@ -143,3 +143,20 @@ def test_metrics_and_the_cli_carry_the_tier(tiny_llama):
     ns = build_parser().parse_args(["serve", str(tiny_llama), "--kv-offload-size", "2GiB", "--kv-offload-dir", "/x"])
     args = serve_args_from(ns)
     assert args.engine_kwargs()["kv_offload_size"] == "2GiB" and args.engine_kwargs()["kv_offload_dir"] == "/x"
+
+
+def test_new_weights_at_the_same_path_get_a_tier_of_their_own(tiny_model_factory, tmp_path):
+    import os
+    import shutil
+
+    from pagedserve.engine.config import EngineConfig
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_factory("llama"), model)
+    spec = EngineConfig(model=str(model), kv_offload_size="1MiB").kv_offload_spec()
+    assert spec == EngineConfig(model=str(model), kv_offload_size="1MiB").kv_offload_spec()
+    assert spec.size_bytes == 1024**2 and spec.offload_dir is None
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert EngineConfig(model=str(model), kv_offload_size="1MiB").kv_offload_spec().model_identity != spec.model_identity
+    assert EngineConfig(model=str(model)).kv_offload_spec() is None

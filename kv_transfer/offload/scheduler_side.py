@@ -162,7 +162,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int) -> None:
         found = self._matched.pop(request.request_id, [])
-        if getattr(request, "num_preemptions", 0) == 0:
+        if getattr(request, "num_preemptions", 0) == 0 and not getattr(request, "skip_reading_prefix_cache", False):
             self.stats.query_tokens += max(0, request.num_tokens - request.num_computed_tokens)
         if num_external_tokens == 0:
             return
