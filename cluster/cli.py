@@ -56,6 +56,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--kv-cache-memory", help="KV cache budget on CPU, e.g. 4GiB")
+    parser.add_argument("--kv-offload-size", help="KV offload tier per rank, e.g. 8GiB: evicted prefix blocks spill to "
+                                                  "host shared memory and reload on a hit (shared by the node's engines)")
+    parser.add_argument("--kv-offload-dir", help="keep the KV offload tier in this local directory (a disk) instead "
+                                                 "of host shared memory")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help="on a GPU: the share of its memory the engine may use (default 0.9)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,

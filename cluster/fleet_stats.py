@@ -19,6 +19,7 @@ from pagedserve.engine.spec_decode.metrics import SpecDecodeStats
 # Cumulative engine counters (summed, and kept monotonic across restarts) in an engine's stats.
 COUNTER_KEYS = (
     "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens", "num_generation_tokens",
+    "kv_offload_query_tokens", "kv_offload_hit_tokens", "kv_offload_stored_bytes", "kv_offload_loaded_bytes",
 )
 # Instantaneous engine gauges (summed over reachable engines).
 GAUGE_KEYS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks")

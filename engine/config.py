@@ -21,19 +21,19 @@ _SIZE_UNITS = {
 }
 
 
-def parse_memory_size(value: int | float | str) -> int:
-    """Bytes from an int or a string such as "4GiB", "512MiB", "2GB", "1e9"."""
+def parse_memory_size(value: int | float | str, field: str = "kv_cache_memory") -> int:
+    """Bytes from an int or a string such as "4GiB", "512MiB", "2GB", "1e9"; errors name `field`."""
     if isinstance(value, bool):
-        raise ValueError("kv_cache_memory: expected a size in bytes or a string such as '4GiB'")
+        raise ValueError(f"{field}: expected a size in bytes or a string such as '4GiB'")
     if isinstance(value, (int, float)):
         size = int(value)
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if not match or match.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError(f"kv_cache_memory: cannot parse {value!r}; use bytes or e.g. '4GiB', '512MiB'")
+            raise ValueError(f"{field}: cannot parse {value!r}; use bytes or e.g. '4GiB', '512MiB'")
         size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
     if size <= 0:
-        raise ValueError(f"kv_cache_memory: must be positive, got {value!r}")
+        raise ValueError(f"{field}: must be positive, got {value!r}")
     return size
 
 
@@ -133,6 +133,12 @@ class EngineConfig(BaseModel):
     # the default KV budget (kv_cache_memory unset) is a budget for the whole node, so each takes its share.
     kv_cache_memory_share: float = Field(default=1.0, gt=0, le=1)
     kv_transfer_config: dict[str, Any] | None = None
+    # A KV offload tier (kv_transfer/offload/): blocks evicted from the prefix cache spill there and a later
+    # prefix hit in it is loaded back instead of recomputed. Bytes per rank or "2GiB"; None: no tier. It lives
+    # in host shared memory (/dev/shm), readable by every engine on the node that serves the same model with
+    # the same KV layout, or under `kv_offload_dir` (a local disk) when that is set.
+    kv_offload_size: int | str | None = None
+    kv_offload_dir: str | None = None
     # Speculative decoding, vLLM's shape: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     # (a dict, or its JSON text as the CLI passes it); see engine/spec_decode/config.py.
     speculative_config: dict[str, Any] | None = None
@@ -148,6 +154,13 @@ class EngineConfig(BaseModel):
     def _check_kv_memory(cls, v: int | str | None) -> int | str | None:
         if v is not None:
             parse_memory_size(v)
+        return v
+
+    @field_validator("kv_offload_size")
+    @classmethod
+    def _check_kv_offload_size(cls, v: int | str | None) -> int | str | None:
+        if v is not None:
+            parse_memory_size(v, field="kv_offload_size")
         return v
 
     @field_validator("cuda_graph_sizes")
@@ -214,6 +227,14 @@ class EngineConfig(BaseModel):
             if self.kv_transfer_config is not None:
                 raise ValueError("async_scheduling: cannot run with kv_transfer_config (KV loads and holds are "
                                  "tracked per finished step)")
+            if self.kv_offload_size is not None:
+                raise ValueError("async_scheduling: cannot run with kv_offload_size (loads from the offload tier "
+                                 "are tracked per finished step)")
+        if self.kv_offload_dir is not None and self.kv_offload_size is None:
+            raise ValueError("kv_offload_dir: needs kv_offload_size (the tier's size per rank)")
+        if self.kv_offload_size is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_size: the offload tier holds blocks evicted from the prefix cache; "
+                             "it needs enable_prefix_caching")
         return self
 
     @property
@@ -231,6 +252,32 @@ class EngineConfig(BaseModel):
         if self.kv_cache_memory is None:
             return int(default_kv_cache_memory() * self.kv_cache_memory_share)
         return parse_memory_size(self.kv_cache_memory)
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        """The offload tier's size per rank in bytes (0: no tier)."""
+        return 0 if self.kv_offload_size is None else parse_memory_size(self.kv_offload_size, field="kv_offload_size")
+
+    def kv_offload_spec(self):
+        """The offload tier (kv_transfer.factory.OffloadSpec), or None. Its model identity - the model's path, its
+        HF config and quantization - is what engines must share to read each other's offloaded KV."""
+        if self.kv_offload_size is None:
+            return None
+        import hashlib
+
+        from pagedserve.kv_transfer.factory import OffloadSpec
+
+        hf = self.hf_config.to_json_string() if self.hf_config is not None else ""
+        path = os.path.realpath(self.model)
+        # The weight files as they are now (name, size, mtime): new weights saved over the same path get a tier
+        # of their own, never the KV computed with the old ones.
+        files = sorted(os.scandir(path), key=lambda e: e.name) if os.path.isdir(path) else []
+        weights = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in files
+                   if e.is_file() and e.name.endswith((".safetensors", ".bin", ".gguf", ".pt"))]
+        if os.path.isfile(path):
+            weights = [(path, os.path.getsize(path), os.stat(path).st_mtime_ns)]
+        key = f"{path}|{self.quantization}|{hf}|{weights}"
+        return OffloadSpec(hashlib.sha256(key.encode()).hexdigest(), self.kv_offload_bytes, self.kv_offload_dir)
 
     @property
     def resolved_device(self) -> str:

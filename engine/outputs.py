@@ -133,6 +133,14 @@ class SchedulerStats:
     step_seconds: float = 0.0
     # KV connector counters (kv_transfer.scheduler_connector.KVTransferStats as a dict); {} without one.
     kv_transfer: dict = field(default_factory=dict)
+    # Offload tier counters (kv_transfer.offload.scheduler_side.OffloadStats as a dict); {} without a tier. The
+    # figures /metrics sums over engines: tokens looked up in the tier (the device cache lacked them), tokens
+    # reloaded from it, bytes spilled to it and bytes loaded back (cumulative).
+    kv_offload: dict = field(default_factory=dict)
+    kv_offload_query_tokens: int = 0
+    kv_offload_hit_tokens: int = 0
+    kv_offload_stored_bytes: int = 0
+    kv_offload_loaded_bytes: int = 0
     # Speculative decoding counters (engine.spec_decode.metrics.SpecDecodeStats as a dict); {} without it.
     spec_decoding: dict = field(default_factory=dict)
 

@@ -72,7 +72,17 @@ class KVConnectorScheduler(ABC):
     def add_worker_stats(self, loaded_bytes: int, seconds: float) -> None:
         """What the workers moved in one step."""
 
+    def external_tokens_are_cached(self, request: ConnectorRequest) -> bool:
+        """Whether the request's external tokens count as prefix-cache hits (a reload from an offload tier does;
+        a prefill/decode pull does not)."""
+        return False
+
     def snapshot_stats(self) -> Any:
+        """Prefill/decode transfer counters (kv_transfer.scheduler_connector.KVTransferStats), or None."""
+        return None
+
+    def snapshot_offload_stats(self) -> Any:
+        """Offload tier counters (kv_transfer.offload.scheduler_side.OffloadStats), or None without a tier."""
         return None
 
 

@@ -56,6 +56,13 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions", "Cumulative preemptions."),
     ("prompt_tokens", "num_prompt_tokens", "Prefill tokens processed."),
     ("generation_tokens", "num_generation_tokens", "Generation tokens processed."),
+    # The KV offload tier (0 without one): its hit rate is hits / queries, the device cache's prefix_cache_*.
+    ("kv_offload_queries", "kv_offload_query_tokens", "Prompt tokens the device prefix cache lacked, looked up in "
+                                                      "the KV offload tier."),
+    ("kv_offload_hits", "kv_offload_hit_tokens", "Prompt tokens reloaded from the KV offload tier."),
+    ("kv_offload_stored_bytes", "kv_offload_stored_bytes", "KV bytes spilled from the device cache to the offload "
+                                                           "tier."),
+    ("kv_offload_loaded_bytes", "kv_offload_loaded_bytes", "KV bytes loaded back from the offload tier."),
 )
 
 # KV transfer (prefill/decode), from the engines' SchedulerStats.kv_transfer summed over engines:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 BlockHash = bytes
@@ -141,6 +141,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Called with (block id, hash) when a cached block is taken for new use: its KV is intact until the step
+        # being scheduled writes it, so an offload tier copies it out first (kv_transfer/offload/).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -161,6 +164,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_block_queue.popleft()
+            h = block.block_hash
+            if h is not None and self.on_evict is not None and self.cached_block_hash_to_block.get(h) is block:
+                self.on_evict(block.block_id, h)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -61,7 +61,8 @@ class EngineCore:
             num_blocks, config.block_size, capacity, config.max_model_len, capacity / config.max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv_connector = self._make_kv_connector() if config.kv_transfer_config is not None else None
+        has_connector = config.kv_transfer_config is not None or config.kv_offload_size is not None
+        self.kv_connector = self._make_kv_connector() if has_connector else None
         self.scheduler = Scheduler(config, self.kv_cache_manager, kv_connector=self.kv_connector,
                                    structured_output=self.structured_output)
         # Pipeline parallelism: up to `max_concurrent_batches` batches in flight, oldest first.
@@ -71,13 +72,17 @@ class EngineCore:
         self._held: list[Request] = []
 
     def _make_kv_connector(self):
-        """The scheduler half of the KV connector, told where this engine's ranks serve their KV."""
+        """The scheduler half of the KV connector (prefill/decode, the offload tier, or both), told where this
+        engine's ranks serve their KV; the offload tier hears of every block the block pool evicts."""
         from pagedserve.kv_transfer.factory import make_scheduler_connector
         from pagedserve.kv_transfer.layout import KVLayout
 
         infos = self.executor.collective_rpc("kv_transfer_info")
         connector = make_scheduler_connector(self.config.kv_transfer_config, KVLayout.from_dict(infos[0][0]),
-                                             [address for _, address in infos])
+                                             [address for _, address in infos], offload=self.config.kv_offload_spec(),
+                                             block_hashes=self.kv_cache_manager.block_hashes)
+        if self.config.kv_offload_size is not None:
+            self.kv_cache_manager.block_pool.on_evict = connector.block_evicted
         # An in-process producer rank learns each hold at once and passes its readers' releases straight on.
         for source in self.executor.local_kv_sources():
             connector.attach_local_source(source)
@@ -95,6 +100,14 @@ class EngineCore:
 
     def kv_transfer_stats(self):
         return None if self.kv_connector is None else self.kv_connector.snapshot_stats()
+
+    def kv_offload_state(self) -> dict:
+        """The offload tier as the scheduler and every rank see it (after the ranks' writers caught up): for
+        accounting checks (tests/offload_checks.py) and benchmarks. {} without a tier."""
+        if self.config.kv_offload_size is None:
+            return {}
+        tier = getattr(self.kv_connector, "offload", self.kv_connector)
+        return {**tier.accounting(), "ranks": self.executor.collective_rpc("kv_offload_state")}
 
     def structured_output(self):
         """The structured-output manager (xgrammar is imported and set up on first use)."""

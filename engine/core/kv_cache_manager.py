@@ -100,7 +100,7 @@ class KVCacheManager:
 
     # ---- prefix cache ------------------------------------------------------------------
 
-    def _block_hashes(self, request: KVRequest) -> list[BlockHash]:
+    def block_hashes(self, request: KVRequest) -> list[BlockHash]:
         """The request's full-block hashes, extended to cover its current full blocks."""
         hashes = self.req_to_block_hashes.get(request.request_id)
         if hashes is None:
@@ -126,7 +126,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         max_blocks = max(0, request.num_tokens - 1) // self.block_size
         computed: list[KVCacheBlock] = []
         get = self.block_pool.get_cached_block
@@ -206,7 +206,7 @@ class KVCacheManager:
         num_full = min(num_known_tokens // self.block_size, self._loading_from.get(rid, num_known_tokens))
         if num_full <= num_cached:
             return
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
         self.num_cached_blocks[rid] = num_full
 

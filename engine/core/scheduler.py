@@ -182,8 +182,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached  # (where its loads start)
             self.kv_transfer.allocated(request, num_external)
             request.num_computed_tokens = num_cached + num_external
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
+            if request.num_preemptions == 0:  # (tokens reloaded from an offload tier are cache hits too)
+                request.num_cached_tokens = num_cached + self.kv_transfer.num_cached_external(request, num_external)
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:
                 request.scheduled_time = now
@@ -234,5 +234,6 @@ class Scheduler:
             num_steps=self.results.num_steps,
             model_seconds=self.results.model_seconds,
             kv_transfer=self.kv_transfer.stats(),
+            **self.kv_transfer.offload_figures(),
             spec_decoding=self.spec.stats_dict(),
         )

@@ -118,10 +118,11 @@ class ModelRunner:
         self.kv_caches = [(self._zeros_kv(shape), self._zeros_kv(shape)) for _ in range(num_layers)]
         if self.speculator is not None:
             self.speculator.initialize_kv_cache(num_blocks, self._zeros_kv)
-        if self.config.kv_transfer_config is not None:
+        if self.config.kv_transfer_config is not None or self.config.kv_offload_size is not None:
             from pagedserve.kv_transfer.factory import make_worker_connector
 
-            self.kv_hooks = make_worker_connector(self.config.kv_transfer_config, self.kv_layout(), self.parallel.rank, self.device)
+            self.kv_hooks = make_worker_connector(self.config.kv_transfer_config, self.kv_layout(), self.parallel.rank,
+                                                  self.device, offload=self.config.kv_offload_spec())
         if self.kv_hooks is not None:
             self.kv_hooks.register_kv_caches(self.kv_caches)
         self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.config, self.device)
@@ -174,7 +175,7 @@ class ModelRunner:
             for rid in plan.req_ids:
                 self.fault_injector("forward", rid)
         timer = _ModelTimer(self.device)
-        hidden = self._forward(input_ids, positions, metadata)
+        hidden = self._forward(input_ids, positions, metadata, has_loads=kv_md is not None and bool(kv_md.loads))
         self.input_batch.advance(plan.rows, plan.query_lens_np)
         if not self.is_last_stage:
             pp_send_tensors(hidden.to_dict(), self.parallel)
@@ -187,13 +188,14 @@ class ModelRunner:
             output.model_seconds = timer.seconds() + plan.draft_seconds
         return output if self.is_driver else None
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata):
-        """This stage's forward pass: a replayed CUDA graph when the step allows one, else eager."""
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 has_loads: bool = False):
+        """This stage's forward pass: a replayed CUDA graph when the step allows one (no KV loads), else eager."""
         intermediate = None
         if not self.is_first_stage:
             intermediate = IntermediateTensors(**pp_recv_tensors(self.parallel, device=self.device))
         if self.graphs is not None and self.graphs.can_run(
-            positions.shape[0], metadata, has_intermediate=intermediate is not None, has_kv_hooks=self.kv_hooks is not None
+            positions.shape[0], metadata, has_intermediate=intermediate is not None, has_kv_hooks=has_loads
         ):
             return self.graphs.run(input_ids, positions, metadata)
         return self.model.forward(

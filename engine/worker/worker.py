@@ -89,6 +89,14 @@ class Worker:
         return read_layers(self.model_runner.kv_hooks if self.model_runner is not None else None,
                            token, spec, layers, auth)
 
+    def kv_offload_state(self) -> dict:
+        """This rank's offload tier once its writer caught up (files written, staged, counters); {} without one."""
+        hooks = self.model_runner.kv_hooks if self.model_runner is not None else None
+        tier = getattr(hooks, "offload", hooks)
+        if tier is None or not hasattr(tier, "state"):
+            return {}
+        return {**tier.state(), "stats": vars(tier.stats).copy()}
+
     def set_fault_injector(self, fault_injector: Callable[[str, str], None] | None) -> None:
         """Test hook: see ModelRunner.fault_injector (None turns it off)."""
         self.model_runner.fault_injector = fault_injector

@@ -46,6 +46,12 @@ class KVTransferSide:
                 request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
             )
 
+    def num_cached_external(self, request: Request, num_external: int) -> int:
+        """Of the request's external tokens, those that count as prefix-cache hits (an offload tier's reload)."""
+        if self.connector is None or not num_external:
+            return 0
+        return num_external if self.connector.external_tokens_are_cached(request) else 0
+
     def keeps_blocks(self, request: Request) -> bool:
         """A finished request: whether its blocks stay allocated for a reader (a producer's hold)."""
         if self.connector is None:
@@ -123,4 +129,14 @@ class KVTransferSide:
         return rolled_back
 
     def stats(self) -> dict:
-        return {} if self.connector is None else vars(self.connector.snapshot_stats())
+        stats = None if self.connector is None else self.connector.snapshot_stats()
+        return {} if stats is None else vars(stats)
+
+    def offload_figures(self) -> dict:
+        """SchedulerStats' offload tier fields: its counters as a dict and the ones /metrics sums ({} without one)."""
+        stats = None if self.connector is None else self.connector.snapshot_offload_stats()
+        if stats is None:
+            return {}
+        return {"kv_offload": vars(stats), "kv_offload_query_tokens": stats.query_tokens,
+                "kv_offload_hit_tokens": stats.hit_tokens, "kv_offload_stored_bytes": stats.stored_bytes,
+                "kv_offload_loaded_bytes": stats.loaded_bytes}
