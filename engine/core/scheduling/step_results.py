@@ -5,6 +5,8 @@ token counters the stats report."""
 
 from __future__ import annotations
 
+import time
+
 from pagedserve.engine.core.request import Request
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.core.scheduling.in_flight import InFlight
@@ -32,6 +34,7 @@ class StepResults:
         """Land the request's part of the step (its `num_tokens` scheduled tokens); None when it brings
         nothing to report (a prompt chunk that samples nothing)."""
         rid = request.request_id
+        request.timeline.step_landed(time.time())
         chunk_start = request.num_computed_tokens - num_tokens - self.in_flight.num_tokens(rid)  # (later steps)
         prompt_left = max(0, request.num_prompt_tokens - chunk_start)
         self.num_prompt_tokens += min(num_tokens, prompt_left)
@@ -64,6 +67,9 @@ class StepResults:
             num_preemptions=request.num_preemptions,
             first_scheduled_time=request.scheduled_time,
             error=error,
+            # Its first tokens and its end carry the engine's timeline (prefill chunks, KV pull) out.
+            timeline=(request.timeline.snapshot() if request.is_finished
+                      or len(request.output_token_ids) == len(new_token_ids) else None),
         )
 
 
