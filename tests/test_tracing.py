@@ -178,34 +178,45 @@ def test_pd_request_is_one_trace_with_both_legs_and_the_kv_transfer(tiny_llama):
 
 
 def run_isolated(code: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_tracing_off_imports_no_opentelemetry(tiny_llama):
-    """Off: no SDK or exporter module is loaded (FastAPI itself may load the API package when it is
-    installed); and with OpenTelemetry made unimportable the app still serves."""
+    """Off: no SDK or exporter module is loaded by the serving layer, the engine or the Serve clients;
+    and with the SDK and exporters made unimportable (what `pip install pagedserve` without [otel]
+    leaves: FastAPI itself needs the API package) the app still serves. (The engines are scripted: the engine imports no tracing at all,
+    which the first check covers by importing its modules.)"""
     code = f"""
         import json, sys
         block = {{block}}
         if block:
             class Block:
                 def find_spec(self, name, path=None, target=None):
-                    if name == "opentelemetry" or name.startswith("opentelemetry."):
+                    if name.startswith(("opentelemetry.sdk", "opentelemetry.exporter")):
                         raise ImportError("blocked: " + name)
             sys.meta_path.insert(0, Block())
-        from tests.local_serving import LocalServer
-        with LocalServer({str(tiny_llama)!r}) as server:
-            assert server.serving.tracing is None
-            with server.test_client() as client:
-                r = client.post("/v1/chat/completions", json={{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 2}})
-            print(json.dumps({{"status": r.status_code, "trace_header": "x-trace-id" in r.headers,
-                              "loaded": sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter")))}}))
+        import pagedserve.engine.async_llm, pagedserve.cluster.serve.client, pagedserve.cluster.serve.pd_client
+        from starlette.testclient import TestClient
+        from pagedserve.cluster.serving.app import build_fastapi_app
+        from pagedserve.cluster.serving.core import OpenAIServing
+        from pagedserve.cluster.settings import ServeArgs
+        from pagedserve.engine.tokenizer import load_tokenizer
+        from tests.local_serving import ScriptedCoordinator
+        args = ServeArgs(model={str(tiny_llama)!r}, served_model_name="tiny", api_key=None)
+        serving = OpenAIServing(ScriptedCoordinator(), load_tokenizer({str(tiny_llama)!r}), args, 256)
+        assert serving.tracing is None
+        with TestClient(build_fastapi_app(serving)) as client:
+            r = client.post("/v1/chat/completions", json={{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 2}})
+            metrics = client.get("/metrics").text
+        print(json.dumps({{"status": r.status_code, "trace_header": "x-trace-id" in r.headers,
+                          "stages": "pagedserve:request_stage_seconds_count" in metrics,
+                          "loaded": sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter")))}}))
     """
     for block in (False, True):
         out = run_isolated(code.replace("{block}", str(block)))
-        assert out == {"status": 200, "trace_header": False, "loaded": []}
+        assert out == {"status": 200, "trace_header": False, "stages": True, "loaded": []}
 
 
 def test_endpoint_without_opentelemetry_is_a_clear_error(monkeypatch):
