@@ -2,7 +2,7 @@
 
 A router (the Serve request router, the in-process coordinator) records its decision for a request id:
 the candidates and their loads, the winner, the kind of decision and how long the choice took. The
-ingress serving that request takes the record when the request ends (`EngineClient.routing_record`)
+ingress serving that request takes the record when the request ends (the engine client's `routing_records`)
 and puts it on the trace's routing span and into the overhead histograms. Bounded: records nobody
 takes (a router in another process, tracing and metrics never asking) fall out oldest first."""
 

@@ -128,7 +128,7 @@ class OpenAIServing:
                                        request: SamplingRequest) -> EncodedPrompt:
         if isinstance(prompt, str):
             add_special = getattr(request, "add_special_tokens", True)
-            mark("tokenize_start")
+            mark("tokenize_start", first=True)  # (a batch of prompts: from the first one's start)
             ids = await self.run_blocking(lambda: list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids))
             mark("tokenize_end")
             truncated = self._truncate(ids, request)

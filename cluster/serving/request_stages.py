@@ -84,8 +84,8 @@ def current_stages() -> RequestStages | None:
     return _current.get()
 
 
-def mark(name: str) -> None:
-    """Mark a stage of the current request (a no-op outside one)."""
+def mark(name: str, first: bool = False) -> None:
+    """Mark a stage of the current request (a no-op outside one); with `first`, keep an earlier mark."""
     stages = _current.get()
     if stages is not None:
-        stages.mark(name)
+        stages.mark(name, first=first)
