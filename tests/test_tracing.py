@@ -84,6 +84,7 @@ def test_chat_request_is_one_trace_covering_the_path(server, stream):
         assert response.headers["x-trace-id"] == format(root.context.trace_id, "032x")
         assert root.attributes["http.response.status_code"] == 200
         assert root.attributes["pagedserve.output_tokens"] == 6
+        assert [e.name for e in root.events] == ["first_output"]
         # The prompt is longer than the token budget: several chunks, their tokens the whole prompt.
         chunks = names["prefill_chunk"]
         assert len(chunks) >= 2

@@ -122,6 +122,8 @@ class Tracing:
             span.set_attribute("pagedserve.prompt_tokens", stages.num_prompt_tokens)
             span.set_attribute("pagedserve.output_tokens", stages.num_output_tokens)
             span.set_attribute("pagedserve.streamed", stages.streamed)
+            if "first_output" in stages.marks:  # the first token reached the ingress (TTFT as it streams out)
+                span.add_event("first_output", timestamp=_ns(stages.marks["first_output"]))
             for event in stages.events:  # retries, migrations
                 span.add_event(event.name, attributes=event.attributes, timestamp=_ns(event.time))
             _Children(self.tracer, trace.set_span_in_context(span), stages).build()
