@@ -24,8 +24,10 @@ class StepResults:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.model_seconds = 0.0
+        self.returned_at = 0.0  # wall clock of the latest step's return (each request's timeline)
 
     def step_returned(self, runner_output: ModelRunnerOutput) -> None:
+        self.returned_at = time.time()
         self.num_steps += 1
         self.model_seconds += runner_output.model_seconds
 
@@ -34,7 +36,7 @@ class StepResults:
         """Land the request's part of the step (its `num_tokens` scheduled tokens); None when it brings
         nothing to report (a prompt chunk that samples nothing)."""
         rid = request.request_id
-        request.timeline.step_landed(time.time())
+        request.timeline.step_landed(self.returned_at)
         chunk_start = request.num_computed_tokens - num_tokens - self.in_flight.num_tokens(rid)  # (later steps)
         prompt_left = max(0, request.num_prompt_tokens - chunk_start)
         self.num_prompt_tokens += min(num_tokens, prompt_left)
