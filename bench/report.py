@@ -70,6 +70,13 @@ _RUN = {
                            "host_share": {"type": "number", "minimum": 0, "maximum": 1}},
         },
         "errors": {"type": "array", "items": {"type": "string"}},
+        # `bench serve`: the server's overhead split over the run (bench/overhead_split.py), in milliseconds.
+        "overhead": {
+            "type": "object", "required": ["stage_ms"],
+            "properties": {"stage_ms": {"type": "object", "additionalProperties": _NONNEG},
+                           "ttft_ms": {"type": "object", "additionalProperties": _NONNEG},
+                           "tpot_ms": {"type": "object", "additionalProperties": _NONNEG}},
+        },
         # Speculative decoding (with --speculative-config): the run's counters (common.spec_decode_delta).
         "spec_decode": {
             "type": "object",

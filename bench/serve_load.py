@@ -24,6 +24,7 @@ from typing import Any
 from pagedserve.bench import common
 from pagedserve.bench import report as rep
 from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
+from pagedserve.bench.overhead_split import overhead_delta, overhead_table, scrape
 from pagedserve.bench.roofline import Machine, ModelFacts, step_roofline
 from pagedserve.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
 from pagedserve.bench.workload import BenchRequest, parse_range, synthetic
@@ -172,9 +173,14 @@ def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse
     for rate in ns.request_rate:
         point = {**(params or {}), "request_rate": rate_label(rate), "max_concurrency": ns.max_concurrency}
         name = ", ".join(f"{k} {v}" for k, v in point.items() if v is not None)
+        before = scrape(url, headers or {}, ns.timeout)
         load = run_load(url, info.model, workload, rate, ns.max_concurrency, ns.seed, headers or {}, ns.timeout,
                         desc=f"rate {rate_label(rate)}")
-        runs.append(run_entry(load, name, point, slo, facts, machine))
+        entry = run_entry(load, name, point, slo, facts, machine)
+        split = overhead_delta(before, scrape(url, headers or {}, ns.timeout))
+        if split is not None:  # the server's own split of where the time went (bench/overhead_split.py)
+            entry["overhead"] = split
+        runs.append(entry)
     return runs
 
 
@@ -252,6 +258,8 @@ def run(ns: argparse.Namespace) -> int:
     if facts is None and figures is not None:
         parts.append("(roofline: give MODEL, the served model's path, to see it)")
     parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]
+    if overhead_table(runs):
+        parts.append(overhead_table(runs))
     if ns.plot:
         from pagedserve.bench.plots import plot_latency_vs_load
 

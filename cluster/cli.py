@@ -136,6 +136,12 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
                               help="render a chat_template sent in the request (refused by default)")
     serve_parser.add_argument("--metrics-require-auth", action="store_true", default=None,
                               help="/metrics needs the API key too (default: open, like /health)")
+    serve_parser.add_argument("--otlp-traces-endpoint", metavar="URL",
+                              help="export one trace per request over OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces "
+                                   "(needs pagedserve[otel]; OTEL_EXPORTER_OTLP_TRACES_ENDPOINT does the same)")
+    serve_parser.add_argument("--trace-sample-ratio", type=float, metavar="R",
+                              help="share of new traces sampled, 0..1 (default OTEL_TRACES_SAMPLER_ARG, else 1); "
+                                   "a client's traceparent decides for its own trace")
 
     gen = sub.add_parser("generate", help="generate a completion offline (no server)")
     _add_engine_flags(gen)

@@ -4,6 +4,10 @@ One implementation per shape, in cluster/serve/: `client.ServeEngineClient` (the
 a DeploymentHandle to the engine deployment), `pd_client.PDClient` (prefill and decode pools) and
 `coordinator.DPCoordinator` (engine actors driven in-process: the PD pools, benchmarks, tests). Their
 stats share one shape (cluster/fleet_stats.py keeps the cumulative figures restart-aware).
+
+Optional (the serving layer asks with getattr, so test doubles need not have it):
+`routing_records(request_id) -> list[dict]`, the routing decisions made for a request
+(cluster/serve/route_log.py's `RouteRecord.as_dict()`), taken by the request's trace and overhead metrics.
 """
 
 from __future__ import annotations

@@ -55,6 +55,10 @@ class ServeArgs(EngineConfig):
     tokenizer_pool_size: int = Field(default=2, ge=1, le=64)
     trust_request_chat_template: bool = False
     metrics_require_auth: bool = False
+    # Tracing (cluster/serving/tracing.py; needs pagedserve[otel]): OTLP/HTTP endpoint of the trace
+    # collector, e.g. http://127.0.0.1:4318/v1/traces (else OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT turns it on).
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # default OTEL_TRACES_SAMPLER_ARG or 1
     # Scale-out on Serve (`serve_app`): the engine deployment's replicas are the data-parallel engines.
     min_replicas: int | None = Field(default=None, ge=0)  # set min/max to autoscale the engine replicas
     max_replicas: int | None = Field(default=None, ge=1)

@@ -239,6 +239,8 @@ class OutputProcessor:
             m.last_token_time = now
         m.num_preemptions = out.num_preemptions
         m.num_cached_tokens = out.num_cached_tokens
+        if out.timeline is not None:
+            m.timeline = out.timeline
 
     def _completion(self, state: RequestState, finish_reason: str | None, stop_reason, delta: bool) -> CompletionOutput:
         finished = finish_reason is not None

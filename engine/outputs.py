@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.engine.request_timeline import RequestTimeline
+
 # A position's logprobs: token id -> Logprob. Sample logprobs are a list of these, one per output token.
 SampleLogprobs = list[dict[int, "Logprob"]]
 PromptLogprobs = list[dict[int, "Logprob"] | None]
@@ -25,6 +27,8 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # Prefill chunks and KV pull (engine/request_timeline.py), as of the request's latest output.
+    timeline: RequestTimeline | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -108,6 +112,7 @@ class EngineCoreOutput:
     # With finish_reason "error": what failed (reaches the request's client).
     error: str | None = None
     kv_transfer_params: dict | None = None
+    timeline: RequestTimeline | None = None
 
     @property
     def finished(self) -> bool:

@@ -144,6 +144,12 @@ def test_bench_serve_start_server(model, roofline_file, tmp_path):
         assert run["latency_ms"]["ttft"]["count"] == 4
         assert run["goodput"]["good_requests"] == 4 and run["goodput"]["attainment"] == 1.0
         _check_roofline(run, {"decode"})
+        # The server's overhead split over the run (its /metrics before and after): every stage of the path
+        # on Serve (the router's decision taken from the engine deployment's request router), both splits.
+        split = run["overhead"]
+        assert {"ingress", "router", "dispatch", "queue", "prefill", "decode", "output"} <= split["stage_ms"].keys()
+        for key in ("ttft_ms", "tpot_ms"):
+            assert 0 <= split[key]["framework_share"] <= 1
     assert report["summary"]["max_rate_meeting_slo"] == "inf"
     assert png.stat().st_size > 0
 

@@ -105,6 +105,10 @@ class ServeEngineClient:
     def _routers(self) -> list:
         return routers_for(self.app_name, self.deployment_name)
 
+    def routing_records(self, request_id: str) -> list[dict]:
+        """The routing decisions this process's routers made for `request_id` (for its trace; taken)."""
+        return [r.as_dict() for router in self._routers() for r in router.route_log.take(request_id)]
+
     def routing_snapshot(self) -> dict[str, Any]:
         """Replicas (deduplicated over this process's routers) and summed routing decisions."""
         replicas: dict[str, dict] = {}

@@ -36,6 +36,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from pagedserve.cluster.serve.abort_batcher import AbortBatcher
+from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
@@ -103,6 +104,8 @@ class DPCoordinator:
         self._aborts = AbortBatcher(self._send_aborts)
         self._last_poll_time: float | None = None  # time.monotonic() of the last completed poll round
         self.counters = FleetCounters(COUNTER_KEYS)  # cumulative figures, monotonic across actor restarts
+        self.name = "engine"  # what traces and overhead metrics call this group of engines (PD: its pool)
+        self.route_log = RouteLog()  # each request's routing decisions, for its trace
 
     # ------------------------------------------------------------------ routing (policy: routing_policy)
 
@@ -122,13 +125,24 @@ class DPCoordinator:
         reachable = [e for e in engines if e.available]
         return reachable or engines  # nothing better: stats may be stale, try (fails fast if dead)
 
-    def choose_engine(self, prompt_token_ids: list[int], exclude: frozenset[int] = frozenset()) -> int:
+    def choose_engine(self, prompt_token_ids: list[int], exclude: frozenset[int] = frozenset(),
+                      request_id: str | None = None) -> int:
         """Engine index for this prompt: load + prefix affinity + power of two choices, among the engines
-        not in `exclude` (there must be one)."""
+        not in `exclude` (there must be one). With `request_id`, the decision is logged for its trace."""
         candidates = [e.index for e in self._candidates(exclude)]
-        index, _ = self.policy.choose(candidates, lambda i: self.engines[i].load(self.kv_weight),
-                                      self.prefix_hashes(prompt_token_ids))
+
+        def load(i: int) -> float:
+            return self.engines[i].load(self.kv_weight)
+
+        index, record = timed_choice(lambda: self.policy.choose(candidates, load, self.prefix_hashes(prompt_token_ids)),
+                                     candidates, load, self.name)
+        if request_id is not None:
+            self.route_log.record(request_id, record)
         return index
+
+    def routing_records(self, request_id: str) -> list[dict]:
+        """The routing decisions made for `request_id` (taken: asked once, at the request's end)."""
+        return [r.as_dict() for r in self.route_log.take(request_id)]
 
     def _affinity_engine(self, prompt_token_ids: Sequence[int], candidates: list[EngineState]) -> EngineState | None:
         index = self.policy._affine([e.index for e in candidates], self.prefix_hashes(prompt_token_ids), None)
@@ -162,7 +176,7 @@ class DPCoordinator:
         self._ensure_polling()
         refused: set[int] = set()
         while True:
-            index = self.choose_engine(prompt_token_ids, frozenset(refused))
+            index = self.choose_engine(prompt_token_ids, frozenset(refused), request_id)
             produced = False
             try:
                 # aclosing: an early stop by the consumer closes the engine stream now (abort, bookkeeping).

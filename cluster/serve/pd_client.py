@@ -104,6 +104,7 @@ class PDClient:
             raise ValueError("prefill_names: one name per prefill engine")
         self.prefill = DPCoordinator(prefill_engines, prefill_block_size, **coordinator_kwargs)
         self.decode = DPCoordinator(decode_engines, decode_block_size, **coordinator_kwargs)
+        self.prefill.name, self.decode.name = "prefill", "decode"
         self._producers = dict(zip(prefill_names, prefill_engines))
         self.counters = PDCounters()
         # The engines' KV-transfer figures, per engine label: counters monotonic across engine restarts.
@@ -211,6 +212,12 @@ class PDClient:
             handle.kv_release.remote(remote["remote_request_id"], remote.get("remote_hold_token"))
         except Exception as exc:  # noqa: BLE001 - its hold times out anyway
             logger.debug("release of %s failed: %s", remote.get("remote_request_id"), exc)
+
+    def routing_records(self, request_id: str) -> list[dict]:
+        """Both legs' routing decisions for `request_id` (for its trace), each with its leg: 0 the first
+        engine to serve it (the prefill, unless the request went to a decode engine alone), 1 the decode."""
+        prefill = [{**r, "leg": 0} for r in self.prefill.routing_records(request_id)]
+        return prefill + [{**r, "leg": 1 if prefill else 0} for r in self.decode.routing_records(request_id)]
 
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(self.prefill.abort(request_id), self.decode.abort(request_id))

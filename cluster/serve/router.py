@@ -28,10 +28,19 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.router_registry import register
 from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
 
 logger = logging.getLogger(__name__)
+
+
+def request_id_of(pending_request: PendingRequest | None) -> str | None:
+    """The engine request id of a `generate(request_id, ...)` call (for its trace), else None."""
+    if pending_request is None or pending_request.metadata.call_method != "generate":
+        return None
+    rid = pending_request.args[0] if pending_request.args else pending_request.kwargs.get("request_id")
+    return rid if isinstance(rid, str) else None
 
 
 def prompt_of(pending_request: PendingRequest | None) -> Sequence[int] | None:
@@ -62,6 +71,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._held: dict[ReplicaID, tuple[int, frozenset[str]]] = {}  # replica -> (id(stats list), hashes)
         register(self._deployment_id.app_name, self._deployment_id.name, self)
         self._ray_counter = _ray_decision_counter()
+        self.route_log = RouteLog()  # each request's decision, for its trace (the ingress takes it)
 
     # ------------------------------------------------------------------ the choice
 
@@ -80,6 +90,9 @@ class PrefixAffinityRouter(RequestRouter):
 
     def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None) -> RunningReplica:
         """The policy's choice among `replicas` for this prompt (None: load only); remembers the prefix."""
+        return self._choose(replicas, prompt)[0]
+
+    def _choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None) -> tuple[RunningReplica, str]:
         by_id = {r.replica_id: r for r in replicas}
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
         block_size = next((int(r.routing_stats["block_size"]) for r in replicas
@@ -101,14 +114,21 @@ class PrefixAffinityRouter(RequestRouter):
                 self._ray_counter = None
         if hashes:
             self.policy.remember(hashes, choice)
-        return by_id[choice]
+        return by_id[choice], decision
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        choice = self.choose(candidate_replicas, prompt_of(pending_request))
+        request_id = request_id_of(pending_request)
+        if request_id is None:
+            choice = self.choose(candidate_replicas, prompt_of(pending_request))
+        else:
+            choice, record = timed_choice(lambda: self._choose(candidate_replicas, prompt_of(pending_request)),
+                                          candidate_replicas, self.replica_load, self._deployment_id.name,
+                                          name=lambda replica: replica.replica_id.unique_id)
+            self.route_log.record(request_id, record)
         rest = sorted((r for r in candidate_replicas if r.replica_id != choice.replica_id), key=self.replica_load)
         return [[choice], rest] if rest else [[choice]]
 

@@ -17,6 +17,9 @@ import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.serving.metrics import ServingMetrics
+from pagedserve.cluster.serving.overhead import OverheadMetrics
+from pagedserve.cluster.serving.request_stages import current_stages, mark
+from pagedserve.cluster.serving.tracing import Tracing
 from pagedserve.cluster.engine_client import EngineClient
 from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.errors import APIError, bad_request, engine_error
@@ -44,6 +47,8 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
         self.metrics = ServingMetrics(self.model_name, client.aggregate_stats, max_model_len)
+        self.overhead = OverheadMetrics(self.metrics.registry, self.model_name)
+        self.tracing: Tracing | None = Tracing.from_args(args)  # None: tracing off, OpenTelemetry never imported
         self.num_in_flight = 0
         self._limiter: anyio.CapacityLimiter | None = None
 
@@ -123,7 +128,9 @@ class OpenAIServing:
                                        request: SamplingRequest) -> EncodedPrompt:
         if isinstance(prompt, str):
             add_special = getattr(request, "add_special_tokens", True)
+            mark("tokenize_start", first=True)  # (a batch of prompts: from the first one's start)
             ids = await self.run_blocking(lambda: list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids))
+            mark("tokenize_end")
             truncated = self._truncate(ids, request)
             encoded = EncodedPrompt(index, prompt if truncated is ids else None, truncated)
         else:
@@ -156,7 +163,9 @@ class OpenAIServing:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
         try:
+            mark("tokenize_start")
             ids = await self.run_blocking(render)
+            mark("tokenize_end")
         except Exception as exc:  # jinja errors, bad roles, a template that recurses...
             message = str(exc)[:500]
             raise APIError(400, f"messages: the chat template failed: {message}", param="messages") from None
@@ -210,7 +219,21 @@ class OpenAIServing:
                                             final_only=final_only, cache_salt=cache_salt), timer)
             for p, sp, timer in zip(prompts, params, timers)
         ]
+        for p, timer in zip(prompts, timers):
+            timer.on_finish = functools.partial(self._observe_overhead, f"{request_id}-{p.index}")
         return merge_streams(streams)
+
+    def _observe_overhead(self, engine_request_id: str, timer: RequestTimer) -> None:
+        """A finished engine request: its routing decisions (to its trace) and its overhead histograms."""
+        take = getattr(self.client, "routing_records", None)
+        routes = take(engine_request_id) if take is not None else []
+        for route in routes:
+            route.setdefault("leg", 0)  # (a PD client names each record's leg: prefill 0, decode 1)
+        if timer.stages is not None:
+            timer.stages.routes.extend(routes)
+        ttft = None if timer.first is None else timer.first - timer.start
+        decode = None if timer.first is None or timer.last is None else timer.last - timer.first
+        self.overhead.observe(timer.stages, timer.ordered_legs(), routes, ttft, decode, timer.generated)
 
     async def _admitted(self, stream: AsyncIterator, slots: int) -> AsyncIterator:
         """Holds `slots` admission slots until the stream is exhausted, fails or is closed (also by garbage
@@ -232,7 +255,12 @@ class OpenAIServing:
         logger.info("request %s: %s%s", current_request_id(), request_id,
                     f" (user {request.user!r})" if request.user else "")
         final_only = not request.stream
-        timers = [RequestTimer(self.metrics, len(p.token_ids), final_only=final_only) for p in prompts]
+        stages = current_stages()
+        if stages is not None:
+            stages.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+            stages.streamed = bool(request.stream)
+            stages.mark("dispatched")
+        timers = [RequestTimer(self.metrics, len(p.token_ids), final_only=final_only, stages=stages) for p in prompts]
         outputs = self._admitted(self._streams(request_id, prompts, params, request.priority, timers, final_only,
                                                request.cache_salt), slots)
         try:

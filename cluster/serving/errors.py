@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.cluster.serving.context import current_request_id
+from pagedserve.cluster.serving.request_stages import current_stages
 from pagedserve.cluster.serving.responses import ErrorInfo
 from pagedserve.cluster.serving.streams import RequestFailedError
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
@@ -55,6 +56,9 @@ def error_body(info: ErrorInfo) -> dict[str, Any]:
     request_id = current_request_id()
     if request_id is not None:
         error["request_id"] = request_id
+    stages = current_stages()
+    if stages is not None and stages.trace_id is not None:
+        error["trace_id"] = stages.trace_id
     return {"error": error}
 
 

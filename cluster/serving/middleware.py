@@ -8,6 +8,7 @@ app does not add its own (`set_request_id_header=False`): the header comes back 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -22,6 +23,10 @@ from pagedserve.cluster.serving.context import (
     set_request_id,
 )
 from pagedserve.cluster.serving.errors import APIError, http_error, internal_error
+from pagedserve.cluster.serving.request_stages import begin_request, end_request
+from pagedserve.cluster.serving.tracing import TRACE_ID_HEADER
+
+logger = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -62,6 +67,12 @@ class ServingMiddleware:
             request_id = None if malformed and not self.set_request_id_header else new_request_id()
         token = set_request_id(request_id)
         started = False
+        # Where the request's time goes (overhead metrics), and with tracing on its trace (POSTs: inference).
+        stages, stages_token = begin_request(scope.get("method", ""), scope.get("path", ""))
+        tracing = self.serving.tracing if scope.get("method") == "POST" else None
+        root = tracing.start(headers, stages) if tracing is not None else None
+        if root is not None:
+            stages.trace_id = root.trace_id
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
@@ -70,12 +81,17 @@ class ServingMiddleware:
                 if self.set_request_id_header:
                     message["headers"] = [*message.get("headers", []),
                                           (REQUEST_ID_HEADER.lower().encode(), str(request_id).encode())]
+                if root is not None:
+                    message["headers"] = [*message.get("headers", []), (TRACE_ID_HEADER.encode(), root.trace_id.encode()),
+                                          (b"traceparent", root.traceparent.encode())]
+                stages.status = message["status"]
                 if message["status"] >= 400:
                     self.serving.metrics.observe_error(message["status"])
             await send(message)
 
         try:
             error = _malformed_id_error(sent_id) if malformed else self._refuse_early(scope, headers)
+            stages.mark("auth")
             if error is not None:
                 await error.response()(scope, receive, send_with_id)
                 return
@@ -86,6 +102,13 @@ class ServingMiddleware:
             error = http_error(413, exc.detail) if isinstance(exc, BodyTooLarge) else internal_error(exc)
             await error.response()(scope, receive, send_with_id)
         finally:
+            stages.mark("responded")
+            if root is not None:
+                try:
+                    tracing.finish(root, stages, request_id)  # type: ignore[union-attr]
+                except Exception:  # noqa: BLE001 - a trace never fails its request
+                    logger.exception("building the trace of request %s failed", request_id)
+            end_request(stages_token)
             reset_request_id(token)
 
     def _refuse_early(self, scope: Scope, headers: dict[str, str]) -> APIError | None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.serving.metrics import ServingMetrics
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.serving.request_stages import RequestStages
+from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 _END = object()
 
@@ -40,8 +41,20 @@ class RequestTimer:
     generated: int = 0
     finish_reason: str | None = None
     final_only: bool = False
+    # Overhead metrics and tracing: the HTTP request's stages, the engines' own records (by arrival time:
+    # a PD request has a prefill leg and a decode leg), and what to call when the engine request finished.
+    stages: RequestStages | None = None
+    legs: dict[float, RequestMetrics] = field(default_factory=dict)
+    on_finish: Callable[[RequestTimer], None] | None = None
+
+    def ordered_legs(self) -> list[RequestMetrics]:
+        return [self.legs[k] for k in sorted(self.legs)]
 
     def on_output(self, output: RequestOutput) -> None:
+        if self.stages is not None:
+            self.stages.on_output(output)
+        if output.metrics is not None:
+            self.legs[output.metrics.arrival_time] = output.metrics
         now = time.perf_counter()
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
         if num_tokens:
@@ -64,6 +77,8 @@ class RequestTimer:
                 self.finish_reason = c.finish_reason
         if output.finished:
             self.metrics.observe_finished(now - self.start, self.prompt_tokens, self.generated, self.finish_reason)
+            if self.on_finish is not None:
+                self.on_finish(self)
 
     @staticmethod
     def _engine_decode_time(output: RequestOutput) -> float | None:

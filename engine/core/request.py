@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.request_timeline import RequestTimeline
 from pagedserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ class Request:
     kv_load_done: bool = False
     kv_load_failed: bool = False
     kv_transfer_params_out: dict | None = None
+    # Prefill chunks and KV pull, timed for traces and overhead metrics (engine/request_timeline.py).
+    timeline: RequestTimeline = field(default_factory=RequestTimeline)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

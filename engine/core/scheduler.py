@@ -149,6 +149,8 @@ class Scheduler:
         output.kv_connector_metadata = self.kv_transfer.step_metadata(bool(step.scheduled))
         for request in step.scheduled:  # handed out: its batch is in flight, its tokens count as computed
             num_tokens = step.num_scheduled[request.request_id]
+            if request.num_computed_tokens < request.num_prompt_tokens:  # a prefill chunk (timed for traces)
+                request.timeline.chunk_scheduled(now, min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens))
             self.in_flight.add(request, num_tokens)
             request.num_computed_tokens += num_tokens
         return output

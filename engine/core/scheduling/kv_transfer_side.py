@@ -7,6 +7,7 @@ rolls back every request that read its blocks. Without a connector every method 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
@@ -45,6 +46,11 @@ class KVTransferSide:
             self.connector.update_state_after_alloc(
                 request, self.kv_cache_manager.get_block_ids(request.request_id), num_external
             )
+            if num_external:
+                layout = getattr(self.connector, "layout", None)
+                request.timeline.load_started(time.time(), num_external,
+                                              str(getattr(getattr(self.connector, "config", None), "kv_connector", "")),
+                                              int(getattr(layout, "num_layers", 0) or 0))
 
     def num_cached_external(self, request: Request, num_external: int) -> int:
         """Of the request's external tokens, those that count as prefix-cache hits (an offload tier's reload)."""
@@ -90,8 +96,12 @@ class KVTransferSide:
         self.connector.add_worker_stats(runner_output.kv_loaded_bytes, runner_output.kv_load_seconds)
         bs = self.kv_cache_manager.block_size
         invalid: list[int] = []
+        now, step_tokens = time.time(), sum(job.token_end - job.token_start for job in md.loads) or 1
         for job in md.loads:
             request = self.requests.get(job.req_id)
+            if request is not None:  # the step's bytes, shared by tokens among its loads
+                request.timeline.load_landed(now, runner_output.kv_loaded_bytes * (job.token_end - job.token_start)
+                                             // step_tokens, job.req_id not in runner_output.kv_load_failed)
             if job.req_id not in runner_output.kv_load_failed:
                 self.connector.load_finished(job.req_id, ok=True)
                 if request is not None:

@@ -5,6 +5,8 @@ token counters the stats report."""
 
 from __future__ import annotations
 
+import time
+
 from pagedserve.engine.core.request import Request
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.core.scheduling.in_flight import InFlight
@@ -22,8 +24,10 @@ class StepResults:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.model_seconds = 0.0
+        self.returned_at = 0.0  # wall clock of the latest step's return (each request's timeline)
 
     def step_returned(self, runner_output: ModelRunnerOutput) -> None:
+        self.returned_at = time.time()
         self.num_steps += 1
         self.model_seconds += runner_output.model_seconds
 
@@ -32,6 +36,7 @@ class StepResults:
         """Land the request's part of the step (its `num_tokens` scheduled tokens); None when it brings
         nothing to report (a prompt chunk that samples nothing)."""
         rid = request.request_id
+        request.timeline.step_landed(self.returned_at)
         chunk_start = request.num_computed_tokens - num_tokens - self.in_flight.num_tokens(rid)  # (later steps)
         prompt_left = max(0, request.num_prompt_tokens - chunk_start)
         self.num_prompt_tokens += min(num_tokens, prompt_left)
@@ -64,6 +69,9 @@ class StepResults:
             num_preemptions=request.num_preemptions,
             first_scheduled_time=request.scheduled_time,
             error=error,
+            # Its first tokens and its end carry the engine's timeline (prefill chunks, KV pull) out.
+            timeline=(request.timeline.snapshot() if request.is_finished
+                      or len(request.output_token_ids) == len(new_token_ids) else None),
         )
 
 

@@ -1,0 +1,235 @@
+"""Per-request tracing (cluster/serving/tracing.py) through the real app over a real engine, with an
+in-memory span exporter: one trace per request whose spans cover the path (ingress, routing, the
+engine's queue, prefill chunks and decode, the output path) with consistent links and times that add
+up; a client's `traceparent` continues its trace; the sample ratio is respected; and with tracing off
+nothing of OpenTelemetry's SDK is imported (and the app runs without OpenTelemetry at all)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+from pagedserve.cluster.serving.tracing import Tracing  # noqa: E402
+from tests.local_serving import LocalServer  # noqa: E402
+from tests.pd_local import LocalPD  # noqa: E402
+
+CHAT = {"messages": [{"role": "user", "content": "Say something long enough to chunk."}], "max_tokens": 6,
+        "ignore_eos": True, "temperature": 0}
+TOLERANCE_S = 0.05  # gaps between recorded marks (an await, a thread hop); never a wall-clock assertion of speed
+
+
+def traced(serving, ratio: float | None = None) -> InMemorySpanExporter:
+    exporter = InMemorySpanExporter()
+    serving.tracing = Tracing(ratio=ratio, exporter=exporter)
+    return exporter
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    # A small token budget: the prompt is prefilled in several chunks (every time: no prefix cache).
+    with LocalServer(str(tiny_llama), engine_kwargs={"max_num_batched_tokens": 8, "enable_chunked_prefill": True,
+                                                   "enable_prefix_caching": False}) as local:
+        yield local
+
+
+def by_name(spans) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for span in spans:
+        out.setdefault(span.name, []).append(span)
+    return out
+
+
+def seconds(span) -> float:
+    return (span.end_time - span.start_time) / 1e9
+
+
+def check_tree(spans) -> object:
+    """One trace, one root; every other span's parent is in it and contains it in time. Returns the root."""
+    assert len({s.context.trace_id for s in spans}) == 1
+    ids = {s.context.span_id: s for s in spans}
+    roots = [s for s in spans if s.parent is None or s.parent.span_id not in ids]
+    assert len(roots) == 1, [s.name for s in roots]
+    for span in spans:
+        assert span.end_time >= span.start_time, span.name
+        if span is roots[0]:
+            continue
+        parent = ids[span.parent.span_id]
+        slack = int(TOLERANCE_S * 1e9)
+        assert parent.start_time - slack <= span.start_time and span.end_time <= parent.end_time + slack, \
+            (span.name, parent.name)
+    return roots[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_request_is_one_trace_covering_the_path(server, stream):
+    exporter = traced(server.serving)
+    try:
+        with server.test_client() as client:
+            response = client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert response.status_code == 200
+        spans = exporter.get_finished_spans()
+        root = check_tree(spans)
+        names = by_name(spans)
+        for stage in ("ingress", "auth", "validate", "tokenize", "prepare", "dispatch", "route", "engine", "queue",
+                      "prefill", "prefill_chunk", "decode", "output"):
+            assert stage in names, stage
+        assert response.headers["x-trace-id"] == format(root.context.trace_id, "032x")
+        assert root.attributes["http.response.status_code"] == 200
+        assert root.attributes["pagedserve.output_tokens"] == 6
+        assert [e.name for e in root.events] == ["first_output"]
+        # The prompt is longer than the token budget: several chunks, their tokens the whole prompt.
+        chunks = names["prefill_chunk"]
+        assert len(chunks) >= 2
+        assert sum(c.attributes["pagedserve.tokens"] for c in chunks) == root.attributes["pagedserve.prompt_tokens"]
+        route = names["route"][0]
+        assert route.attributes["pagedserve.route.decision"] == "single"
+        assert route.attributes["pagedserve.route.winner"] == "0"
+        # The top-level stages follow each other and add up to the request's end-to-end time.
+        top = sorted((s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id),
+                     key=lambda s: s.start_time)
+        assert [s.name for s in top] == ["ingress", "dispatch", "engine", "output"]
+        assert abs(sum(seconds(s) for s in top) - seconds(root)) <= TOLERANCE_S
+        engine = names["engine"][0]
+        inner = [names[n][0] for n in ("queue", "prefill", "decode")]
+        assert abs(sum(seconds(s) for s in inner) - seconds(engine)) <= TOLERANCE_S
+    finally:
+        server.serving.tracing = None
+
+
+def test_traceparent_continues_the_clients_trace(server):
+    exporter = traced(server.serving)
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        with server.test_client() as client:
+            response = client.post("/v1/chat/completions", json=CHAT,
+                                   headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+        assert response.status_code == 200
+        spans = exporter.get_finished_spans()
+        root = check_tree(spans)
+        assert format(root.context.trace_id, "032x") == trace_id
+        assert format(root.parent.span_id, "016x") == parent_id
+        assert response.headers["x-trace-id"] == trace_id
+        assert response.headers["traceparent"].startswith(f"00-{trace_id}-")
+    finally:
+        server.serving.tracing = None
+
+
+def test_trace_id_is_in_error_bodies(server):
+    traced(server.serving)
+    try:
+        with server.test_client() as client:
+            response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": -1})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["trace_id"] == response.headers["x-trace-id"]
+        assert error["request_id"] == response.headers["x-request-id"]
+    finally:
+        server.serving.tracing = None
+
+
+def test_sample_ratio_is_respected(server):
+    exporter = traced(server.serving, ratio=0.0)
+    try:
+        with server.test_client() as client:
+            body = {**CHAT, "max_tokens": 1}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert exporter.get_finished_spans() == ()
+            # A client's sampled flag wins over the ratio (parent-based sampling).
+            sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            assert client.post("/v1/chat/completions", json=body, headers={"traceparent": sampled}).status_code == 200
+            assert len({s.context.trace_id for s in exporter.get_finished_spans()}) == 1
+        exporter.clear()
+        server.serving.tracing = Tracing(ratio=1.0, exporter=exporter)
+        with server.test_client() as client:
+            for _ in range(3):
+                assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert len({s.context.trace_id for s in exporter.get_finished_spans()}) == 3
+    finally:
+        server.serving.tracing = None
+
+
+def test_pd_request_is_one_trace_with_both_legs_and_the_kv_transfer(tiny_llama):
+    pd = LocalPD(str(tiny_llama))
+    try:
+        exporter = traced(pd.serving)
+        with pd.test_client() as client:
+            response = client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200
+        spans = exporter.get_finished_spans()
+        check_tree(spans)
+        names = by_name(spans)
+        assert len(names["engine"]) == 2  # the prefill leg, then the decode leg
+        decisions = {s.attributes["pagedserve.route.deployment"] for s in names["route"]}
+        assert decisions == {"prefill", "decode"}
+        kv = names["kv_transfer"][0]
+        assert kv.attributes["pagedserve.kv.ok"] is True
+        assert kv.attributes["pagedserve.kv.bytes"] > 0
+        assert kv.attributes["pagedserve.kv.transport"] == "inproc"
+        assert kv.attributes["pagedserve.kv.layers"] > 0
+    finally:
+        pd.close()
+
+
+def run_isolated(code: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_tracing_off_imports_no_opentelemetry(tiny_llama):
+    """Off: no SDK or exporter module is loaded by the serving layer, the engine or the Serve clients;
+    and with the SDK and exporters made unimportable (what `pip install pagedserve` without [otel]
+    leaves: FastAPI itself needs the API package) the app still serves. (The engines are scripted: the engine imports no tracing at all,
+    which the first check covers by importing its modules.)"""
+    code = f"""
+        import json, sys
+        block = {{block}}
+        if block:
+            class Block:
+                def find_spec(self, name, path=None, target=None):
+                    if name.startswith(("opentelemetry.sdk", "opentelemetry.exporter")):
+                        raise ImportError("blocked: " + name)
+            sys.meta_path.insert(0, Block())
+        import pagedserve.engine.async_llm, pagedserve.cluster.serve.client, pagedserve.cluster.serve.pd_client
+        from starlette.testclient import TestClient
+        from pagedserve.cluster.serving.app import build_fastapi_app
+        from pagedserve.cluster.serving.core import OpenAIServing
+        from pagedserve.cluster.settings import ServeArgs
+        from pagedserve.engine.tokenizer import load_tokenizer
+        from tests.local_serving import ScriptedCoordinator
+        args = ServeArgs(model={str(tiny_llama)!r}, served_model_name="tiny", api_key=None)
+        serving = OpenAIServing(ScriptedCoordinator(), load_tokenizer({str(tiny_llama)!r}), args, 256)
+        assert serving.tracing is None
+        with TestClient(build_fastapi_app(serving)) as client:
+            r = client.post("/v1/chat/completions", json={{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 2}})
+            metrics = client.get("/metrics").text
+        print(json.dumps({{"status": r.status_code, "trace_header": "x-trace-id" in r.headers,
+                          "stages": "pagedserve:request_stage_seconds_count" in metrics,
+                          "loaded": sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter")))}}))
+    """
+    for block in (False, True):
+        out = run_isolated(code.replace("{block}", str(block)))
+        assert out == {"status": 200, "trace_header": False, "stages": True, "loaded": []}
+
+
+def test_endpoint_without_opentelemetry_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_sdk(name, *args, **kwargs):
+        if name.startswith("opentelemetry.sdk"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sdk)
+    with pytest.raises(ValueError, match="otlp_traces_endpoint: .*pagedserve\\[otel\\]"):
+        Tracing("http://127.0.0.1:4318/v1/traces")
