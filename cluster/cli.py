@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from pagedserve.cluster.settings import API_KEY_ENV, ServeArgs
 from pagedserve.engine.models.default_model import describe_model, download_command, packaged_default_model
+from pagedserve.engine.tool_parsers import TOOL_PARSERS
 
 # The commands this module runs; any other command word is for the console script's extra commands.
 CORE_COMMANDS = ("serve", "generate", "download-default")
@@ -142,6 +143,13 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
     serve_parser.add_argument("--trace-sample-ratio", type=float, metavar="R",
                               help="share of new traces sampled, 0..1 (default OTEL_TRACES_SAMPLER_ARG, else 1); "
                                    "a client's traceparent decides for its own trace")
+    tools = serve_parser.add_argument_group("tool calling (tool_choice 'required' and named work without these)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                       help="accept tool_choice 'auto' (the default when a request has tools): the model decides, "
+                            "and its calls are parsed out of its text by --tool-call-parser")
+    tools.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+                       help="the format the model writes tool calls in: hermes (Hermes, Qwen 2.5/3: <tool_call>), "
+                            "llama3_json (Llama 3.1+ JSON), mistral ([TOOL_CALLS])")
 
     gen = sub.add_parser("generate", help="generate a completion offline (no server)")
     _add_engine_flags(gen)

@@ -6,11 +6,17 @@ completions body), `max_request_body_bytes` (also the longest rendered chat prom
 `tokenizer_pool_size` (threads that tokenize and render chat templates off the event loop),
 `trust_request_chat_template` and `metrics_require_auth`.
 
+Tool calling: `enable_auto_tool_choice` with `tool_call_parser` (one of
+`engine.tool_parsers.TOOL_PARSERS`) lets a request's tool_choice be "auto" (vLLM's pair of flags);
+"required", named and "none" work without them.
+
 The API key: `api_key` (the --api-key flag, visible in `ps`), else the stripped contents of
 `api_key_file`, else $PAGEDSERVE_API_KEY. Replicas get its SHA-256 only (`to_dict`).
 """
 
 from __future__ import annotations
+
+import logging
 
 import hashlib
 import ipaddress
@@ -59,6 +65,8 @@ class ServeArgs(EngineConfig):
     # collector, e.g. http://127.0.0.1:4318/v1/traces (else OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT turns it on).
     otlp_traces_endpoint: str | None = None
     trace_sample_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # default OTEL_TRACES_SAMPLER_ARG or 1
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # Scale-out on Serve (`serve_app`): the engine deployment's replicas are the data-parallel engines.
     min_replicas: int | None = Field(default=None, ge=0)  # set min/max to autoscale the engine replicas
     max_replicas: int | None = Field(default=None, ge=1)
@@ -97,6 +105,23 @@ class ServeArgs(EngineConfig):
         low = self.min_replicas if self.min_replicas is not None else 1
         if self.max_replicas is not None and self.max_replicas < low:
             raise ValueError(f"max_replicas: must be >= min_replicas ({low}), got {self.max_replicas}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tool_calling(self) -> "ServeArgs":
+        from pagedserve.engine.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser: unknown parser {self.tool_call_parser!r}; choose one of "
+                             f"{', '.join(TOOL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice: needs tool_call_parser (which format the model writes calls in)")
+        if self.tool_call_parser is not None and not self.enable_auto_tool_choice:
+            # Accepted as vLLM accepts it (a config carried over keeps starting), but said: the parser only
+            # reads tool_choice 'auto' output, which stays refused without enable_auto_tool_choice.
+            logging.getLogger(__name__).warning(
+                "tool_call_parser=%r has no effect without enable_auto_tool_choice: requests with tool_choice "
+                "'auto' are refused; 'required' and named choices work either way", self.tool_call_parser)
         return self
 
     @model_validator(mode="after")

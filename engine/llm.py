@@ -13,6 +13,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput, SchedulerStats
 from pagedserve.engine.processor import PromptType
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.tool_parsers.tool_spec import messages_for_template, parse_tools, tools_for_template
 
 ChatMessages = list[dict[str, Any]]
 
@@ -83,14 +84,20 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Render conversations with the tokenizer's chat template and generate a reply to each."""
+        """Render conversations with the tokenizer's chat template and generate a reply to each.
+
+        `tools`: OpenAI function tools, rendered by the chat template as the model was trained; read the
+        calls out of each output with a parser (`pagedserve.engine.tool_parsers.get_tool_parser`), or force
+        one with structured output (`tool_spec.forced_call_schema`)."""
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
         else:
             conversations = list(messages)
         prompts = [
-            {"prompt_token_ids": self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message)}
+            {"prompt_token_ids": self.render_chat(conv, chat_template, add_generation_prompt, continue_final_message,
+                                                  tools)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -101,16 +108,19 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat_template: the tokenizer has no chat template; pass chat_template=")
+        template_tools = tools_for_template(parse_tools(tools)) if tools else None
         ids = tokenizer.apply_chat_template(
-            conversation,
+            messages_for_template(conversation),
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             tokenize=True,
+            tools=template_tools,
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

@@ -299,8 +299,6 @@ def test_trusted_request_chat_template_renders_with_a_size_limit(tiny_llama):
         ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"response_format": {"type": "grammar"}}, "response_format"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
     ],

@@ -122,7 +122,8 @@ def test_json_object_and_guided_fields_on_completions(client, local, stream):
         ("/v1/completions", {"guided_grammar": "root ::= missing"}, "guided_grammar"),
         ("/v1/completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}],
+                                  "tool_choice": "none"}, "tools"),
     ],
 )
 def test_bad_specs_are_400s_naming_the_field(http, local, path, body, param):

@@ -145,18 +145,18 @@ class OpenAIServing:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "chat_template: the model's tokenizer has no chat template", param="chat_template")
 
-    async def encode_chat(self, conversation: list[dict[str, str]], chat_template: str | None,
+    async def encode_chat(self, conversation: list[dict[str, Any]], chat_template: str | None,
                           add_generation_prompt: bool, continue_final_message: bool = False,
-                          add_special_tokens: bool = False) -> list[int]:
-        """Render the conversation with the chat template and tokenize it, in the thread pool; a
-        rendered prompt over the size limit (`max_request_body_bytes` characters) is refused."""
+                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """Render the conversation (and the tools, if any) with the chat template and tokenize it, in the
+        thread pool; a rendered prompt over the size limit (`max_request_body_bytes` characters) is refused."""
         self.check_chat_template(chat_template)
         limit = self.args.max_request_body_bytes
 
         def render() -> list[int] | int:
             text = self.tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False,
+                continue_final_message=continue_final_message, tokenize=False, tools=tools,
             )
             if len(text) > limit:
                 return len(text)

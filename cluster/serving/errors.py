@@ -22,8 +22,8 @@ from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
-# "field: ..." or "field.sub.path: ...": the top-level request field is the error's param.
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z0-9_.]+)?:")
+# "field: ...", "field.sub.path: ..." or "field[2].sub: ...": the top-level request field is the error's param.
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:[.\[][A-Za-z0-9_.\[\]]+)?:")
 
 
 class APIError(Exception):

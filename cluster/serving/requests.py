@@ -4,8 +4,11 @@ Every numeric field carries the range the engine can honour, so a bad value is a
 field before anything runs; limits that depend on the server (`max_n`, `max_logprobs`, the
 vocabulary) are checked by `OpenAIServing`. Text that is not valid Unicode is refused. Unknown
 fields are accepted, ignored and logged with the request id, as vLLM does; fields we recognise but
-do not implement (`suffix`, `tools`, `use_beam_search`, ...) are refused with a ValueError naming
+do not implement (`suffix`, `functions`, `use_beam_search`, ...) are refused with a ValueError naming
 the field, which the server turns into a 400.
+
+Chat's tool_choice "required" or a named function is an output constraint too (the call's JSON schema,
+`engine/tool_parsers/tool_spec.py`; named `tools` in errors); the server's part is `tools.py`.
 
 Structured output comes from `response_format` (`json_object`, or `json_schema` with its `schema`)
 or vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` / `structured_outputs`:
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagedserve.cluster.settings import MAX_PROMPTS
+from pagedserve.cluster.serving.chat_messages import ChatMessageParam
 from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.validation import (
     INT64_MAX,
@@ -42,6 +46,7 @@ from pagedserve.cluster.serving.validation import (
 from pagedserve.engine.processor import CACHE_SALT_MAX_CHARS
 from pagedserve.engine.sampling_params import MAX_BAD_WORDS_CHARS, SamplingParams
 from pagedserve.engine.structured_output.params import StructuredOutputsParams
+from pagedserve.engine.tool_parsers import tool_spec
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +70,15 @@ class OpenAIRequest(BaseModel):
     """Base of every request body: valid Unicode only; unknown fields accepted, ignored and logged."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
+    # Fields of UNSUPPORTED_FIELDS that this request type does implement.
+    SUPPORTED_FIELDS: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _check_raw_body(cls, data: Any) -> Any:
         if isinstance(data, dict):
             check_text_encodable(data)
-            name = unsupported_field(data)
+            name = unsupported_field(data, skip=cls.SUPPORTED_FIELDS)
             if name is not None:
                 raise ValueError(f"{name}: not supported by this server")
         return data
@@ -176,7 +183,11 @@ class SamplingRequest(OpenAIRequest):
     def has_output_constraint(self) -> bool:
         fmt = (self.response_format or {}).get("type", "text")
         guided = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar, self.structured_outputs)
-        return fmt != "text" or any(g is not None for g in guided)
+        return fmt != "text" or any(g is not None for g in guided) or self.forced_tool_schema() is not None
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The schema a forced tool call (chat's tool_choice "required" or a named function) constrains to."""
+        return None
 
     def structured_output_spec(self) -> tuple[str, StructuredOutputsParams] | None:
         """The request's output constraint and the field it came from; ValueError naming that field."""
@@ -197,8 +208,12 @@ class SamplingRequest(OpenAIRequest):
                 found.append((name, {key: getattr(self, name)}))
         if self.structured_outputs is not None:
             found.append(("structured_outputs", dict(self.structured_outputs)))
+        forced = self.forced_tool_schema()
+        if forced is not None:
+            found.append(("tools", {"json": forced, "whitespace_pattern": tool_spec.FORCED_CALL_WHITESPACE}))
         if len(found) > 1:
-            raise ValueError(f"{found[1][0]}: only one output constraint per request (also got {found[0][0]})")
+            name = "tool_choice" if found[1][0] == "tools" else found[1][0]
+            raise ValueError(f"{name}: only one output constraint per request (also got {found[0][0]})")
         if not found:
             if self.guided_whitespace_pattern is not None:
                 raise ValueError("guided_whitespace_pattern: needs a JSON constraint (guided_json or response_format)")
@@ -367,33 +382,9 @@ class CompletionRequest(SamplingRequest):
         return "logprobs"
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-
-class ChatMessageParam(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                kind = str(part.type)[:64]
-                raise ValueError(f"messages: content parts of type {kind!r} are not supported (text only)")
-            parts.append(part.text)
-        return "".join(parts)
-
-
 class ChatCompletionRequest(SamplingRequest):
+    SUPPORTED_FIELDS: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
+
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -404,24 +395,45 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False  # the template places special tokens itself (vLLM's default)
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: tool calling is not supported by this server")
         if (self.model_extra or {}).get("echo"):
             raise ValueError("echo: not supported for chat completions by this server")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true")
+        self.effective_tool_choice()
         return self
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def tool_definitions(self) -> list[tool_spec.ToolDefinition]:
+        """The request's tools, validated (ValueError naming `tools[i]...`); [] when none."""
+        return tool_spec.parse_tools(self.tools) if self.tools else []
+
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """tool_choice as given, else "auto" with tools and "none" without (OpenAI's defaults); a choice
+        other than "none" needs tools, a named one a tool of that name."""
+        tools = self.tool_definitions()
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if tools else "none"
+        if not tools and choice != "none":
+            raise ValueError("tool_choice: needs tools (the request has none)")
+        tool_spec.named_choice(choice, tools)
+        return choice
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        choice = self.effective_tool_choice()
+        if choice in ("none", "auto"):
+            return None
+        tools = self.tool_definitions()
+        return tool_spec.forced_call_schema(tools, tool_spec.named_choice(choice, tools), self.parallel_tool_calls)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return tool_spec.messages_for_template([m.for_template() for m in self.messages])
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -74,14 +74,45 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_is_none)
+    arguments: str | None = Field(default=None, exclude_if=_is_none)
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a call: its first carries id, type and name, the rest argument fragments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
+    function: DeltaFunctionCall
 
 
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChoice(BaseModel):

@@ -34,7 +34,7 @@ def _none_or(*neutral: Any) -> Callable[[Any], bool]:
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "functions": _unset,
     "function_call": _none_or("none"),
-    "tools": _unset,
+    "tools": _unset,  # chat completions implement these two (ChatCompletionRequest.SUPPORTED_FIELDS)
     "tool_choice": _none_or("none"),
     "use_beam_search": _unset,
     "length_penalty": _none_or(1, 1.0),
@@ -49,10 +49,11 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def unsupported_field(values: Mapping[str, Any]) -> str | None:
-    """The first known-but-unimplemented field that asks for something, if any."""
+def unsupported_field(values: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> str | None:
+    """The first known-but-unimplemented field that asks for something, if any (`skip`: fields the
+    request type at hand does implement, e.g. chat's tools)."""
     for name, neutral in UNSUPPORTED_FIELDS.items():
-        if name in values and not neutral(values[name]):
+        if name in values and name not in skip and not neutral(values[name]):
             return name
     return None
 
