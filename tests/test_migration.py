@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pagedserve.cluster.serve.migration import EngineDrainingError, MigratingClient
+from pagedserve.cluster.serve.migration import MigratingClient
 from pagedserve.cluster.serving.metrics import ServingMetrics
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, EngineStoppedError
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import RequestOutput
@@ -172,7 +172,7 @@ def test_final_only_requests_restart(engine):
 
     async def run() -> None:
         want = await _collect(FlakyClient(engine), params, final_only=True)
-        inner = FlakyClient(engine, faults=[0, EngineDrainingError("draining")])
+        inner = FlakyClient(engine, faults=[0, EngineStoppedError("draining")])
         client = MigratingClient(inner)
         got = await _collect(client, params, final_only=True)
         _assert_same(got, want)
@@ -204,16 +204,22 @@ def test_max_migrations_exhausted_is_a_clean_error(engine):
     asyncio.run(run())
 
 
-def test_overload_before_anything_started_stays_a_503_but_is_retried_on_a_resubmission(engine):
+def test_a_refused_request_is_retried_then_the_refusal_stands(engine):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True).model_dump()
+    full = EngineOverloadedError("queue full")
 
     async def run() -> None:
-        refused = MigratingClient(FlakyClient(engine, faults=[EngineOverloadedError("queue full")]))
+        want = await _collect(FlakyClient(engine), params)
+        for faults in ([full, full], [0, full], [3, full]):  # refused at the start; where it migrates to
+            inner = FlakyClient(engine, faults=faults)
+            client = MigratingClient(inner, max_overload_retries=2)
+            _assert_same(await _collect(client, params), want)
+            refusals = faults.count(full) - inner.faults.count(full)  # (a kill after 3 tokens may not land)
+            assert client.num_overload_retries == refusals and (refusals >= 1 or faults[0] == 3)
+        refused = MigratingClient(FlakyClient(engine, faults=[full] * 3), max_overload_retries=2)
         with pytest.raises(EngineOverloadedError):
             await _collect(refused, params)
-        want = await _collect(FlakyClient(engine), params)
-        client = MigratingClient(FlakyClient(engine, faults=[0, EngineOverloadedError("queue full")]))
-        _assert_same(await _collect(client, params), want)
+        assert refused.num_overload_retries == 2 and refused.num_migrations == 0
         await _wait_blocks_free(engine)
 
     asyncio.run(run())
@@ -221,8 +227,44 @@ def test_overload_before_anything_started_stays_a_503_but_is_retried_on_a_resubm
 
 def test_migrations_are_on_metrics(engine):
     client = MigratingClient(FlakyClient(engine), max_migrations=1)
-    client.num_migrations, client.num_migration_failures = 5, 1
+    client.num_migrations, client.num_migration_failures, client.num_overload_retries = 5, 1, 2
     text = ServingMetrics("tiny", client.latest_stats).render()[0].decode()
     assert 'pagedserve:request_migrations_total{model_name="tiny"} 5.0' in text
     assert 'pagedserve:request_migration_failures_total{model_name="tiny"} 1.0' in text
+    assert 'pagedserve:overload_retries_total{model_name="tiny"} 2.0' in text
     assert client.is_healthy() and client.aggregate_stats()["num_engines"] == 1
+
+
+class TwoEngines(FlakyClient):
+    """Submissions go to the first engine not shut down (a router that stopped routing to a drained one)."""
+
+    def __init__(self, draining: AsyncLLM, survivor: AsyncLLM) -> None:
+        super().__init__(draining)
+        self.draining, self.survivor = draining, survivor
+
+    def generate(self, *args, **kwargs) -> AsyncIterator[RequestOutput]:
+        self.engine = self.survivor if self.draining._stopped.is_set() else self.draining
+        return super().generate(*args, **kwargs)
+
+
+def test_a_draining_engine_hands_its_unfinished_requests_over(engine, tiny_llama):
+    params = SamplingParams(temperature=0.7, seed=42, max_tokens=300, ignore_eos=True, logprobs=1).model_dump()
+    draining = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", block_size=8, kv_cache_memory="16MiB"))
+
+    async def run() -> None:
+        want = await _collect(FlakyClient(engine), params)
+        client = MigratingClient(TwoEngines(draining, engine))
+        got: dict = {"tokens": [], "text": ""}
+        async for out in client.generate("drained", PROMPT, params):
+            got["tokens"] += out.outputs[0].token_ids
+            got["text"] += out.outputs[0].text
+            if len(got["tokens"]) >= 5 and not draining._stopped.is_set():
+                await asyncio.to_thread(draining.shutdown)  # the replica's graceful window is over
+        assert got["tokens"] == want[0]["tokens"] and got["text"] == want[0]["text"]
+        assert client.num_migrations == 1
+        await _wait_blocks_free(engine)
+
+    try:
+        asyncio.run(run())
+    finally:
+        draining.shutdown()

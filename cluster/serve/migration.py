@@ -2,7 +2,8 @@
 
 It watches what each streamed request has delivered to its client. When the inner stream fails with
 `EngineDeadError` (the replica died, its node or a TP/PP rank was lost, Serve's health check found it
-stalled, or the engine host hands the request back while draining: `EngineDrainingError`), it
+stalled, or its engine was shut down with the request unfinished: `EngineStoppedError`, which is how a
+draining replica hands back what outlived its graceful window), it
 resubmits the request to the inner client as a continuation (engine/resume.py: the prompt, the output
 tokens already delivered, the original sampling parameters; the inner client's router then picks a
 healthy replica) and the client's stream goes on: no error, no repeated or missing token, usage that
@@ -16,8 +17,14 @@ and their engines keep answering with one finished output (no per-step detokeniz
 in the common, failure-free case) at the price of redoing the lost work when an engine does die.
 
 Each request migrates at most `max_migrations` times, then fails with a clean `EngineDeadError`
-(503 `engine_dead`). Migrations are logged with the request id and counted in the stats the HTTP
-layer's /metrics reads (`fault_tolerance`: `migrations`, `migration_failures`).
+(503 `engine_dead`). A request an engine refuses for load (`EngineOverloadedError`: its queue is full)
+is submitted again up to `max_overload_retries` times after a short backoff, before or after it
+started (the router, which weighs each engine's load, then picks another engine where one has room);
+only then does the refusal reach the client (503 `overloaded`). Under Serve a replica at its
+`max_ongoing_requests` already hands the request to the router's next choice itself; these retries
+cover the engine's own queue limit and every other shape. Migrations and retries are logged with the
+request id and counted in the stats the HTTP layer's /metrics reads (`fault_tolerance`:
+`migrations`, `migration_failures`, `overload_retries`).
 """
 
 from __future__ import annotations
@@ -37,13 +44,10 @@ from pagedserve.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MIGRATIONS = 3
-# A resubmission refused as overloaded waits this long times its attempt number before the next try.
+# A request an overloaded engine refused is submitted again (the router then weighs that engine's load)
+# at most this many times, waiting this long times the retry's number first; then the refusal stands (503).
+DEFAULT_MAX_OVERLOAD_RETRIES = 2
 OVERLOAD_BACKOFF_S = 0.2
-
-
-class EngineDrainingError(EngineDeadError):
-    """The engine host is shutting down (scale-down, rolling update) and hands a request it could not
-    finish within its graceful window back to be continued elsewhere."""
 
 
 @dataclass
@@ -69,13 +73,18 @@ class _Leg:
 class MigratingClient:
     """An `EngineClient` whose streams survive engine failures (see the module docstring)."""
 
-    def __init__(self, inner: Any, max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+    def __init__(self, inner: Any, max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+                 max_overload_retries: int = DEFAULT_MAX_OVERLOAD_RETRIES) -> None:
         if max_migrations < 0:
             raise ValueError(f"max_migrations: expected >= 0, got {max_migrations}")
+        if max_overload_retries < 0:
+            raise ValueError(f"max_overload_retries: expected >= 0, got {max_overload_retries}")
         self.inner = inner
         self.max_migrations = max_migrations
+        self.max_overload_retries = max_overload_retries
         self.num_migrations = 0  # resubmissions after an engine failure
         self.num_migration_failures = 0  # requests that failed with max_migrations used up
+        self.num_overload_retries = 0  # resubmissions after an engine refused a request for load
         self._legs: dict[str, list[str]] = {}  # request id -> the inner request ids now running
 
     # ------------------------------------------------------------------ generate
@@ -97,24 +106,22 @@ class MigratingClient:
             self._legs.pop(request_id, None)
 
     async def _restarting(self, request_id: str, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
-        attempt = 0
+        tries = _Tries(request_id)
         while True:
-            leg_id = _leg_id(request_id, attempt)
+            leg_id = tries.leg_id()
             self._legs[request_id] = [leg_id]
             try:
                 async for output in submit(leg_id, params, final_only=True):
                     yield dataclasses.replace(output, request_id=request_id)
                 return
             except (EngineDeadError, EngineOverloadedError) as exc:
-                if isinstance(exc, EngineOverloadedError) and attempt == 0:
-                    raise  # nothing started yet: the client gets its 503
-                attempt = await self._next_attempt(request_id, attempt, exc, delivered=0)
+                await self._retry(tries, exc, delivered=0)
 
     async def _continuing(self, request_id: str, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
         original = SamplingParams(**params)
         completions = [_Completion() for _ in range(original.n)]
-        attempt = 0
-        legs = [_Leg(_leg_id(request_id, 0), None, submit(_leg_id(request_id, 0), params))]
+        tries = _Tries(request_id)
+        legs = [_Leg(tries.leg_id(), None, submit(tries.leg_id(), params))]
         while True:
             self._legs[request_id] = [leg.request_id for leg in legs]
             merged = _merge(legs)
@@ -125,19 +132,15 @@ class MigratingClient:
                         return
                 raise EngineDeadError(f"the engine ended request {request_id!r} before it finished")
             except (EngineDeadError, EngineOverloadedError) as exc:
-                delivered = sum(len(c.token_ids) for c in completions)
-                if isinstance(exc, EngineOverloadedError) and attempt == 0 and not delivered:
-                    raise  # nothing started yet: the client gets its 503
-                attempt = await self._next_attempt(request_id, attempt, exc, delivered)
+                await self._retry(tries, exc, sum(len(c.token_ids) for c in completions))
             finally:
                 await merged.aclose()
-            legs = self._continuations(request_id, attempt, submit, params, original, completions)
+            legs = self._continuations(tries.leg_id(), submit, params, original, completions)
 
-    def _continuations(self, request_id: str, attempt: int, submit: _Submitter, params: dict,
-                       original: SamplingParams, completions: list[_Completion]) -> list[_Leg]:
+    def _continuations(self, leg_id: str, submit: _Submitter, params: dict, original: SamplingParams,
+                       completions: list[_Completion]) -> list[_Leg]:
         """The legs that continue a request after a failure: the whole request again when nothing had
         been delivered, else one resumed n == 1 request per unfinished completion."""
-        leg_id = _leg_id(request_id, attempt)
         if not any(c.token_ids or c.finished for c in completions):
             return [_Leg(leg_id, None, submit(leg_id, params))]
         legs = []
@@ -150,20 +153,31 @@ class MigratingClient:
             legs.append(_Leg(child_id, index, submit(child_id, child_params)))
         return legs
 
-    async def _next_attempt(self, request_id: str, attempt: int, exc: BaseException, delivered: int) -> int:
-        """Count a failed attempt: the next attempt's number, or the clean error once none is left."""
-        if attempt >= self.max_migrations:
+    async def _retry(self, tries: _Tries, exc: BaseException, delivered: int) -> None:
+        """Count a failed try and wait before the next one; raise when the request has none left: the
+        clean EngineDeadError once `max_migrations` are used up, the refusal itself once the overload
+        retries are."""
+        rid = tries.request_id
+        tries.submissions += 1
+        if isinstance(exc, EngineOverloadedError):
+            if tries.overloads >= self.max_overload_retries:
+                raise exc
+            tries.overloads += 1
+            self.num_overload_retries += 1
+            logger.info("request %s: refused (%s); retrying (%d of at most %d)", rid, exc, tries.overloads,
+                        self.max_overload_retries)
+            await asyncio.sleep(OVERLOAD_BACKOFF_S * tries.overloads)
+            return
+        if tries.migrations >= self.max_migrations:
             self.num_migration_failures += 1
             logger.error("request %s: its engine failed again (%s) and it has used its %d migrations; giving up",
-                         request_id, exc, self.max_migrations)
-            raise EngineDeadError(f"request {request_id!r} failed: its engine failed and the request was already "
+                         rid, exc, self.max_migrations)
+            raise EngineDeadError(f"request {rid!r} failed: its engine failed and the request was already "
                                   f"migrated {self.max_migrations} times (max_migrations); last failure: {exc}") from None
+        tries.migrations += 1
         self.num_migrations += 1
         logger.warning("request %s: %s: %s; migrating it (%d of at most %d) with %d tokens delivered",
-                       request_id, type(exc).__name__, exc, attempt + 1, self.max_migrations, delivered)
-        if isinstance(exc, EngineOverloadedError):
-            await asyncio.sleep(OVERLOAD_BACKOFF_S * (attempt + 1))
-        return attempt + 1
+                       rid, type(exc).__name__, exc, tries.migrations, self.max_migrations, delivered)
 
     # ------------------------------------------------------------------ the rest of EngineClient
 
@@ -182,7 +196,8 @@ class MigratingClient:
 
     def _with_counts(self, stats: dict[str, Any]) -> dict[str, Any]:
         fault = dict(stats.get("fault_tolerance") or {})
-        fault.update(migrations=self.num_migrations, migration_failures=self.num_migration_failures)
+        fault.update(migrations=self.num_migrations, migration_failures=self.num_migration_failures,
+                     overload_retries=self.num_overload_retries)
         return {**stats, "fault_tolerance": fault}
 
     def __getattr__(self, name: str) -> Any:
@@ -206,9 +221,18 @@ class _Submitter:
                                    final_only=final_only, cache_salt=self.cache_salt)
 
 
-def _leg_id(request_id: str, attempt: int) -> str:
-    """The inner request id of an attempt: a resubmission never reuses one an engine may still hold."""
-    return request_id if attempt == 0 else f"{request_id}~m{attempt}"
+@dataclass
+class _Tries:
+    """One request's submissions so far: what it has used of its migrations and overload retries."""
+
+    request_id: str
+    submissions: int = 0
+    migrations: int = 0
+    overloads: int = 0
+
+    def leg_id(self) -> str:
+        """The inner request id of this submission: a resubmission never reuses one an engine may still hold."""
+        return self.request_id if self.submissions == 0 else f"{self.request_id}~m{self.submissions}"
 
 
 def _relabel(request_id: str, leg: _Leg, output: RequestOutput, completions: list[_Completion]) -> RequestOutput:
