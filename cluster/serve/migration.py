@@ -48,6 +48,9 @@ DEFAULT_MAX_MIGRATIONS = 3
 # at most this many times, waiting this long times the retry's number first; then the refusal stands (503).
 DEFAULT_MAX_OVERLOAD_RETRIES = 2
 OVERLOAD_BACKOFF_S = 0.2
+# A request whose engine failed again waits this long times its migrations so far before the next one
+# (the first goes at once): a router learns of a dead replica a moment after its requests do.
+MIGRATION_BACKOFF_S = 0.5
 
 
 @dataclass
@@ -178,6 +181,7 @@ class MigratingClient:
         self.num_migrations += 1
         logger.warning("request %s: %s: %s; migrating it (%d of at most %d) with %d tokens delivered",
                        rid, type(exc).__name__, exc, tries.migrations, self.max_migrations, delivered)
+        await asyncio.sleep(MIGRATION_BACKOFF_S * (tries.migrations - 1))
 
     # ------------------------------------------------------------------ the rest of EngineClient
 
