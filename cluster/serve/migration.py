@@ -30,6 +30,7 @@ request id and counted in the stats the HTTP layer's /metrics reads (`fault_tole
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -114,8 +115,9 @@ class MigratingClient:
             leg_id = tries.leg_id()
             self._legs[request_id] = [leg_id]
             try:
-                async for output in submit(leg_id, params, final_only=True):
-                    yield dataclasses.replace(output, request_id=request_id)
+                async with contextlib.aclosing(submit(leg_id, params, final_only=True)) as stream:
+                    async for output in stream:
+                        yield dataclasses.replace(output, request_id=request_id)
                 return
             except (EngineDeadError, EngineOverloadedError) as exc:
                 await self._retry(tries, exc, delivered=0)
