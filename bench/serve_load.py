@@ -9,6 +9,10 @@ and the sweep the highest rate that meets it; `--plot` draws latency against loa
 The roofline of a rate's decode step: by Little's law the mean number of sequences decoding at once
 is output tokens/s x mean TPOT; each step is one such batch at the mean context (prompt + half the
 output), measured as the mean TPOT.
+
+`--chaos-kill-every S` runs every rate a second time while an engine replica is killed every S
+seconds (bench/chaos.py) and reports both side by side: goodput, p99 TTFT/TPOT, and the longest
+stall a stream saw (the cost of a migration).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.bench import common
+from pagedserve.bench import chaos, common
 from pagedserve.bench import report as rep
 from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
 from pagedserve.bench.overhead_split import overhead_delta, overhead_table, scrape
@@ -61,6 +65,7 @@ def add_server_args(p: argparse.ArgumentParser, kv_cache_memory: str = "256MiB")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--num-cpus-per-engine", type=float, default=None)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="engine replicas (default 1)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo", default=None, help="latency targets, e.g. ttft:500ms,tpot:50ms (goodput)")
     add_load_args(p)
     add_server_args(p)
+    chaos.add_chaos_args(p)
     common.add_output_args(p, plot=True)
     p.set_defaults(bench_func=run)
 
@@ -125,7 +131,8 @@ class LocalServer:
 
 def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "dtype": ns.dtype}
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_cpus_per_engine", "api_key"):
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_cpus_per_engine", "api_key",
+                 "data_parallel_size"):
         if getattr(ns, name, None) is not None:
             settings[name] = getattr(ns, name)
     return settings
@@ -218,6 +225,7 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
 
 def run(ns: argparse.Namespace) -> int:
     slo = check_load_args(ns)
+    chaos.check_chaos_args(ns)
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     figures = common.machine(ns)
     server = None
@@ -241,10 +249,20 @@ def run(ns: argparse.Namespace) -> int:
             facts = model_facts(model, ns.dtype)
         workload = synthetic(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, info.token_ids)
         runs = sweep(ns.base_url, info, workload, ns, slo, facts, figures, headers=headers)
+        compared = None
+        if ns.chaos_kill_every:
+            every = ns.chaos_kill_every
+            with chaos.ReplicaKiller(server.app_name if server else ns.app_name, every, ns.seed) as killer:
+                chaos_runs = sweep(ns.base_url, info, workload, ns, slo, facts, figures,
+                                   params={"chaos_kill_every_s": every}, headers=headers)
+            compared = [chaos.comparison(calm, hit, len(killer.kills)) for calm, hit in zip(runs, chaos_runs)]
+            runs += chaos_runs
     finally:
         if server is not None:
             server.stop()
     summary = sweep_summary(runs, slo, ns.slo_attainment)
+    if compared is not None:
+        summary["chaos"] = compared
     config = {k: v for k, v in vars(ns).items() if k not in ("bench_func", "api_key")}
     report = rep.make_report("serve", model or info.model, config, runs, figures.to_dict() if figures else None,
                              summary)
@@ -255,6 +273,11 @@ def run(ns: argparse.Namespace) -> int:
         parts.append(f"SLO {ns.slo} (>= {ns.slo_attainment:.0%} of requests): highest rate meeting it: "
                      f"{summary['max_rate_meeting_slo']}; best goodput {summary['max_goodput_requests_per_s']:.2f} "
                      "req/s")
+    if compared is not None:
+        parts.append(f"chaos (an engine replica killed every {ns.chaos_kill_every:g} s; "
+                     f"{compared[-1]['kills']} kills in all): without -> with kills\n" + "\n".join(
+                         f"  {key}: {c['without_kills'][key]} -> {c['with_kills'][key]}"
+                         for c in compared for key in c["without_kills"]))
     if facts is None and figures is not None:
         parts.append("(roofline: give MODEL, the served model's path, to see it)")
     parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]

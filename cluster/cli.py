@@ -113,6 +113,9 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
     scale.add_argument("--num-ingress-replicas", type=int, help="HTTP ingress replicas (default 1)")
     scale.add_argument("--graceful-shutdown-timeout-s", type=float,
                        help="how long a removed engine replica may finish its requests (default 60)")
+    scale.add_argument("--max-migrations", type=int,
+                       help="times one request may move to another engine replica when the one serving it fails, "
+                            "before the client gets an error (default 3; 0: never)")
     pd = serve_parser.add_argument_group("prefill/decode disaggregation (a prefill pool and a decode pool)")
     pd.add_argument("--num-prefill-engines", type=int, help="engines that compute prompts (with --num-decode-engines)")
     pd.add_argument("--num-decode-engines", type=int, help="engines that pull the prompt's KV and generate")

@@ -75,6 +75,9 @@ class ServeArgs(EngineConfig):
     downscale_delay_s: float = Field(default=60.0, ge=0)  # Serve's default (600 s) suits no LLM fleet
     num_ingress_replicas: int = Field(default=1, ge=1)
     graceful_shutdown_timeout_s: float = Field(default=60.0, gt=0)  # a removed engine finishes its requests
+    # Fault tolerance (cluster/serve/migration.py): times one request may move to another engine after
+    # the one serving it failed, before the client gets an error.
+    max_migrations: int = Field(default=3, ge=0)
     routing_stats_period_s: float = Field(default=1.0, gt=0)
     affinity_blocks: int = Field(default=4, ge=0)
     imbalance_factor: float = Field(default=2.0, ge=1.0)

@@ -37,6 +37,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; in-flight requests fail with this."""
 
 
+class EngineStoppedError(EngineDeadError):
+    """The engine was shut down (its replica drained: scale-down, rolling update) with this request
+    unfinished; what it streamed stands, and a serving layer may continue it on another engine."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -189,10 +194,15 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine made no progress for {self.stall_timeout_s:.0f}s with work waiting")
 
     def shutdown(self) -> None:
+        """Stop the engine; requests still running end with `EngineStoppedError` (not left hanging)."""
         if not self._stopped.is_set():
             self._stopped.set()
             self._commands.put(("stop", None, None))
             self._thread.join(timeout=30)
+            if not self._thread.is_alive():  # the streams are ours now
+                for request_id in list(self._streams):
+                    self._deliver(request_id, EngineStoppedError(
+                        f"the engine shut down before request {request_id!r} finished"))
             self.engine.shutdown()
 
     # ------------------------------------------------------------------ the engine thread

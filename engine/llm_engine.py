@@ -12,7 +12,7 @@ from pagedserve.engine.outputs import RequestOutput, SchedulerStats
 from pagedserve.engine.processor import Processor, PromptType
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.engine.core.request import RequestStatus
-from pagedserve.engine.sampling_params import SamplingParams, derive_seed
+from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +54,7 @@ class LLMEngine:
         parent = ParentRequest(request_id, params.n)
         children: list[str] = []
         for index in range(params.n):
-            child_params = params.model_copy(update={"n": 1})
-            if params.seed is not None:
-                child_params.seed = derive_seed(params.seed, index)  # distinct but reproducible samples
+            child_params = params.child(index)
             child_id = f"{request_id}#{index}"
             child_prompt = {"prompt_token_ids": request.prompt_token_ids, "cache_salt": request.cache_salt}
             _, child = self.processor.process(child_id, child_prompt, child_params, priority, arrival_time,

@@ -177,15 +177,25 @@ class Processor:
         return text, request
 
     def _continuation(self, params: SamplingParams, max_tokens: int) -> list[int]:
-        """A prefill/decode continuation's first output tokens (already sent to the client), validated."""
-        tokens = continuation_token_ids(params.kv_transfer_params)
-        if not tokens:
+        """The output tokens a request starts with, validated: a prefill/decode continuation's first
+        tokens (already sent to the client by the prefill) or a resumed request's (already emitted by
+        the engine it migrates from, `resume_output_token_ids`: engine/resume.py)."""
+        remote = continuation_token_ids(params.kv_transfer_params)
+        resumed = params.resume_output_token_ids or []
+        if remote and resumed:
+            raise ValueError("resume_output_token_ids: a resumed request cannot also continue a prefill "
+                             "(kv_transfer_params.continue_remote_output)")
+        if remote:
+            where, tokens = "kv_transfer_params.continue_remote_output", remote
+            if params.n != 1:
+                raise ValueError(f"{where}: a continuation carries one completion's tokens; n must be 1")
+            check_token_ids("kv_transfer_params.remote_output_token_ids", tokens, self.vocab_size)
+        elif resumed:
+            where, tokens = "resume_output_token_ids", resumed
+            check_token_ids(where, tokens, self.vocab_size)
+        else:
             return []
-        where = "kv_transfer_params.continue_remote_output"
-        if params.n != 1:
-            raise ValueError(f"{where}: a continuation carries one completion's tokens; n must be 1")
         if len(tokens) >= max_tokens:
-            raise ValueError(f"{where}: the producer's {len(tokens)} output tokens leave no room under max_tokens "
-                             f"{max_tokens}")
-        check_token_ids("kv_transfer_params.remote_output_token_ids", tokens, self.vocab_size)
+            raise ValueError(f"{where}: the {len(tokens)} output tokens already generated leave no room under "
+                             f"max_tokens {max_tokens}")
         return tokens

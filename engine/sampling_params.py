@@ -94,6 +94,9 @@ class SamplingParams(BaseModel):
     # producer engine to keep the prompt's KV for a reader; a producer's output params (which carry
     # "do_remote_prefill": True) make a consumer engine load the prompt's KV instead of computing it.
     kv_transfer_params: dict[str, Any] | None = None
+    # Migration (engine/resume.py): output tokens an earlier engine already emitted for this request,
+    # which this engine takes as its own first output tokens and continues after (n == 1 only).
+    resume_output_token_ids: list[int] | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -133,7 +136,7 @@ class SamplingParams(BaseModel):
             raise ValueError(f"bad_words must have at most {MAX_BAD_WORDS_CHARS} characters in all, got {total}")
         return v
 
-    @field_validator("stop_token_ids", "allowed_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids", "resume_output_token_ids")
     @classmethod
     def _check_token_ids(cls, v: list[int] | None, info: Any) -> list[int] | None:
         if v is not None and any(t < 0 for t in v):
@@ -163,6 +166,8 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings require detokenize=True")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of: only best_of == n is supported (got best_of={self.best_of}, n={self.n})")
+        if self.resume_output_token_ids is not None and self.n != 1:
+            raise ValueError("resume_output_token_ids: a resumed request carries one completion's tokens; n must be 1")
         return self
 
     @property
@@ -179,6 +184,13 @@ class SamplingParams(BaseModel):
 
     def clone(self) -> SamplingParams:
         return self.model_copy(deep=True)
+
+    def child(self, index: int) -> SamplingParams:
+        """The n == 1 params of completion `index` of this request (its own seed when seeded)."""
+        child = self.model_copy(update={"n": 1, "best_of": None})
+        if self.seed is not None:
+            child.seed = derive_seed(self.seed, index)  # distinct but reproducible samples
+        return child
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Reject token ids the model cannot produce (call once the vocab size is known)."""

@@ -141,3 +141,73 @@ def test_load_counts_requests_once():
     router.on_request_routed(None, replicas[0].replica_id, None)
     replicas[0].routing_stats["num_running"] = 1  # that same request, as the engine reports it
     assert router.choose(replicas, SHARED + [1]) is replicas[0]  # 1 <= 2 * 0 + 2: still affine
+
+
+# --------------------------------------------------------------------------- the circuit breaker
+
+
+def _routed(router, replica, internal_id: str) -> None:
+    """A request routed to `replica` that has ended (its outcome is reported after)."""
+    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=internal_id)),
+                             replica.replica_id, None)
+    router.on_request_completed(replica.replica_id, internal_id)
+
+
+def test_a_replica_failing_requests_in_a_row_leaves_routing_until_it_recovers():
+    clock = [0.0]
+    router, replicas = make_router(2, failure_threshold=3, breaker_cooldown_s=10.0)
+    router.breaker.clock = lambda: clock[0]
+    bad = replicas[0]
+    for i in range(2):  # a success in between starts the count again
+        _routed(router, bad, f"f{i}")
+        router.record_outcome(f"f{i}", ok=False)
+    _routed(router, bad, "ok")
+    router.record_outcome("ok", ok=True)
+    for i in range(3):
+        _routed(router, bad, f"g{i}")
+        assert not router.breaker.is_open(bad.replica_id)
+        router.record_outcome(f"g{i}", ok=False)
+    assert router.breaker.is_open(bad.replica_id) and router.breaker.num_opens == 1
+    assert all(router.choose(replicas, None) is replicas[1] for _ in range(20))
+    snap = router.snapshot()
+    assert snap["circuit_opens"] == 1 and [r["circuit_open"] for r in snap["replicas"]] == [True, False]
+    # A fresh healthy report before the cooldown changes nothing; after it, the circuit closes.
+    bad.routing_stats = {**bad.routing_stats}
+    router.choose(replicas, None)
+    assert router.breaker.is_open(bad.replica_id)
+    clock[0] = 11.0
+    router.choose(replicas, None)
+    assert router.breaker.is_open(bad.replica_id), "no new report since the cooldown ended"
+    bad.routing_stats = {**bad.routing_stats, "healthy": False}
+    router.choose(replicas, None)
+    assert router.breaker.is_open(bad.replica_id), "an unhealthy report does not close it"
+    bad.routing_stats = {**bad.routing_stats, "healthy": True}
+    router.choose(replicas, None)
+    assert not router.breaker.is_open(bad.replica_id)
+    assert any(router.choose(replicas, None) is bad for _ in range(20))
+    # On probation: one more failure opens it again.
+    _routed(router, bad, "h")
+    router.record_outcome("h", ok=False)
+    assert router.breaker.is_open(bad.replica_id) and router.breaker.num_opens == 2
+
+
+def test_when_every_circuit_is_open_the_router_still_routes():
+    router, replicas = make_router(2, failure_threshold=1)
+    for i, replica in enumerate(replicas):
+        _routed(router, replica, f"x{i}")
+        router.record_outcome(f"x{i}", ok=False)
+    assert router.breaker.num_open() == 2
+    assert router.choose(replicas, None) in replicas
+    router.record_outcome("never-routed", ok=False)  # unknown ids are ignored
+    assert router.breaker.num_open() == 2 and router.breaker.num_opens == 2
+    router.breaker.forget(replicas[0].replica_id)  # (a replica that left)
+    assert router.breaker.num_open() == 1
+
+
+def test_breaker_settings_are_checked():
+    from pagedserve.cluster.serve.circuit_breaker import CircuitBreaker
+
+    with pytest.raises(ValueError, match="failure_threshold"):
+        CircuitBreaker(failure_threshold=0)
+    with pytest.raises(ValueError, match="cooldown_s"):
+        CircuitBreaker(cooldown_s=-1)

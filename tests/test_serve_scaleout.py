@@ -263,7 +263,7 @@ def _busy_engine(http: httpx.Client, deadline_s: float = 60.0) -> str:
     raise AssertionError("no engine replica reports running requests")
 
 
-def test_engine_replica_killed_fails_only_its_requests(http):
+def test_engine_replica_killed_its_requests_finish_elsewhere(http):
     import ray
 
     results: list = []
@@ -273,10 +273,8 @@ def test_engine_replica_killed_fails_only_its_requests(http):
     ray.kill(victim, no_restart=True)
     for thread in threads:
         thread.join(TIMEOUT)
-    failed = [r for r in results if r[0] != 200]
-    assert len(results) == 8 and 0 < len(failed) < 8, results
-    for status, body in failed:
-        assert status == 503 and body["error"]["code"] == "engine_dead", (status, body)
+    # The killed replica's requests migrate to the survivor (cluster/serve/migration.py): none fails.
+    assert len(results) == 8 and all(status == 200 for status, _ in results), results
     _wait_running(APP, f"{APP}-engine", 2)
     wait_all_blocks_free(http, replicas=2)
     assert complete(http, PROMPTS[0]).status_code == 200

@@ -28,7 +28,7 @@ from pagedserve.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
-def _own_internal_request_id() -> Iterator[None]:
+def _own_internal_request_id() -> Iterator[str]:
     """Give the handle call made inside its own internal request id.
 
     Serve's router matches a routing decision to its pending request by the internal request id, which
@@ -38,10 +38,10 @@ def _own_internal_request_id() -> Iterator[None]:
     from ray.serve import context as serve_context
 
     current = serve_context._get_serve_request_context()
-    token = serve_context._serve_request_context.set(
-        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    internal_id = uuid.uuid4().hex
+    token = serve_context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=internal_id))
     try:
-        yield
+        yield internal_id
     finally:
         serve_context._serve_request_context.reset(token)
 
@@ -70,32 +70,48 @@ class ServeEngineClient:
         """Stream DELTA outputs, or with `final_only` only the finished output (the engine then decodes
         its text once at the end). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
         (the replica died while serving this request). Closing the iteration early cancels the handle's
-        response, which aborts the request in its engine."""
-        with _own_internal_request_id():
+        response, which aborts the request in its engine.
+
+        The request's outcome feeds the router's circuit breaker: the replica died under it or the engine
+        ended it with an error (a failure), or it finished (a success); bad input, refusals for load and
+        a caller that stopped reading say nothing about the engine."""
+        with _own_internal_request_id() as internal_id:
             # The prompt stays the second positional argument: the request router reads it there.
             response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params,
                                                           priority, final_only=final_only, cache_salt=cache_salt)
         restore = PromptRestorer()
         finished = False
+        ok: bool | None = None  # the outcome, as the circuit breaker counts it (None: not the engine's doing)
         try:
             async for output in response:
                 output = restore(output)
                 finished = output.finished
+                if finished:
+                    ok = output.error is None
                 yield output
                 if finished:
                     return
+            ok = False
             raise EngineDeadError(f"the engine ended request {request_id!r} without finishing it")
         except RayActorError as exc:
+            ok = False
             raise EngineDeadError(f"the engine replica died while serving request {request_id!r}: "
                                   f"{exc.__class__.__name__}") from None
         except RayTaskError as exc:
             cause = _unwrap(exc)
+            ok = False if isinstance(cause, EngineDeadError) or cause is exc else None
             if cause is exc:
                 raise
             raise cause from None
         finally:
             if not finished:
                 response.cancel()
+            if ok is not None:
+                for router in self._routers():
+                    # (the router's module is pickled from the deployer: it may predate this method)
+                    record = getattr(router, "record_outcome", None)
+                    if record is not None:
+                        record(internal_id, ok)
 
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by cancelling their stream (closing `generate`); nothing else to do."""
@@ -113,8 +129,10 @@ class ServeEngineClient:
         """Replicas (deduplicated over this process's routers) and summed routing decisions."""
         replicas: dict[str, dict] = {}
         decisions = dict.fromkeys(DECISIONS, 0)
+        circuit_opens = 0
         for router in self._routers():
             snap = router.snapshot()
+            circuit_opens += snap.get("circuit_opens", 0)
             for replica in snap["replicas"]:
                 seen = replicas.get(replica["replica"])
                 if seen is None:
@@ -122,9 +140,10 @@ class ServeEngineClient:
                 else:
                     seen["in_flight"] += replica["in_flight"]
                     seen["num_routed"] += replica["num_routed"]
+                    seen["circuit_open"] = seen.get("circuit_open") or replica.get("circuit_open")
             for key, value in snap["decisions"].items():
                 decisions[key] = decisions.get(key, 0) + value
-        return {"replicas": list(replicas.values()), "decisions": decisions}
+        return {"replicas": list(replicas.values()), "decisions": decisions, "circuit_opens": circuit_opens}
 
     def aggregate_stats(self) -> dict[str, Any]:
         """The coordinator's `aggregate_stats()` shape, over the engine replicas' routing stats."""
@@ -141,6 +160,8 @@ class ServeEngineClient:
         if spec is not None:
             out["spec_decoding"] = spec
         out["routing_decisions"] = snap["decisions"]
+        out["fault_tolerance"] = {"circuit_opens": snap.get("circuit_opens", 0),
+                                  "circuit_open_engines": sum(bool(r.get("circuit_open")) for r in snap["replicas"])}
         out["engines"] = [{**r, "engine_index": r["replica"]} for r in snap["replicas"]]
         return out
 

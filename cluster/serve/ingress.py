@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
+from pagedserve.cluster.serve.migration import MigratingClient
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.settings import ServeArgs
@@ -86,7 +87,8 @@ class PagedServeIngress:
 
         self.args = ServeArgs.model_validate(args)
         self.connection = await connect(self.args, upstream)
-        self.client = self.connection.client
+        # Every shape's requests survive the engine serving them (migration.py).
+        self.client = MigratingClient(self.connection.client, self.args.max_migrations)
         tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
         self.serving = OpenAIServing(self.client, tokenizer, self.args, self.connection.max_model_len)
 

@@ -130,7 +130,8 @@ class PDClient:
         (one token, its output the first delta or the answer) and an n == 1 continuation stay DELTA: the
         continuing engine's outputs start after the prefill's token, which the client already has."""
         user = {**sampling_params, "kv_transfer_params": None}
-        if user.get("prompt_logprobs") is not None:
+        # A migrated request's continuation (migration.py) recomputes on a decode engine alone.
+        if user.get("prompt_logprobs") is not None or user.get("resume_output_token_ids"):
             self.counters.decode_only += 1
             async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output

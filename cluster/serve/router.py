@@ -16,6 +16,11 @@ the replica (or Serve's cached queue length, whichever is larger) + the replica'
 holding, wins within the imbalance bound. It answers Serve with two ranks: the choice, then the rest
 (Serve moves on to the rest only when the choice refuses the request because its queue is full).
 
+A circuit breaker (`circuit_breaker.CircuitBreaker`) keeps a replica that failed `failure_threshold`
+requests in a row out of the choice until its cooldown has passed and its routing stats say it is
+healthy again; the engine client reports each request's outcome by Serve's internal request id
+(`record_outcome`), which `on_request_routed` maps to the replica.
+
 Every router instance in a process registers itself (`router_registry`), so that the ingress can build
 /metrics from the replicas' routing stats and the routing decisions without an RPC.
 """
@@ -23,16 +28,21 @@ Every router instance in a process registers itself (`router_registry`), so that
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
+from pagedserve.cluster.serve.circuit_breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, CircuitBreaker
 from pagedserve.cluster.serve.router_registry import register
 from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
 
 logger = logging.getLogger(__name__)
+
+# Requests whose replica the router remembers until their outcome is reported (the oldest forgotten).
+MAX_TRACKED_REQUESTS = 65536
 
 
 def request_id_of(pending_request: PendingRequest | None) -> str | None:
@@ -63,12 +73,16 @@ class PrefixAffinityRouter(RequestRouter):
         max_affinity_entries: int = 65536,
         seed: int | None = None,
         imbalance_slack: float = 2.0,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        breaker_cooldown_s: float = DEFAULT_COOLDOWN_S,
     ) -> None:
         self.policy: RoutingPolicy[ReplicaID] = RoutingPolicy(
             RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack), seed=seed)
         self.in_flight: dict[ReplicaID, int] = {}
         self.num_routed: dict[ReplicaID, int] = {}
         self._held: dict[ReplicaID, tuple[int, frozenset[str]]] = {}  # replica -> (id(stats list), hashes)
+        self.breaker: CircuitBreaker[ReplicaID] = CircuitBreaker(failure_threshold, breaker_cooldown_s)
+        self._routed_to: OrderedDict[str, ReplicaID] = OrderedDict()  # internal request id -> replica
         register(self._deployment_id.app_name, self._deployment_id.name, self)
         self._ray_counter = _ray_decision_counter()
         self.route_log = RouteLog()  # each request's decision, for its trace (the ingress takes it)
@@ -94,7 +108,10 @@ class PrefixAffinityRouter(RequestRouter):
 
     def _choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None) -> tuple[RunningReplica, str]:
         by_id = {r.replica_id: r for r in replicas}
+        for r in replicas:
+            self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
+        healthy = [r for r in healthy if not self.breaker.is_open(r.replica_id)] or healthy
         block_size = next((int(r.routing_stats["block_size"]) for r in replicas
                            if (r.routing_stats or {}).get("block_size")), None)
         hashes = self.policy.hashes(prompt, block_size) if prompt else []
@@ -137,6 +154,21 @@ class PrefixAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
         self.num_routed[replica_id] = self.num_routed.get(replica_id, 0) + 1
+        internal_id = getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
+        if internal_id:
+            self._routed_to[internal_id] = replica_id
+            while len(self._routed_to) > MAX_TRACKED_REQUESTS:
+                self._routed_to.popitem(last=False)
+
+    def record_outcome(self, internal_request_id: str, ok: bool) -> None:
+        """The engine client's verdict on a request this router routed (the circuit breaker's input)."""
+        replica_id = self._routed_to.pop(internal_request_id, None)
+        if replica_id is not None:
+            was_open = self.breaker.is_open(replica_id)
+            self.breaker.record(replica_id, ok)
+            if self.breaker.is_open(replica_id) and not was_open:
+                logger.warning("engine replica %s failed %d requests in a row: out of routing until it recovers",
+                               replica_id.unique_id, self.breaker.failure_threshold)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self.in_flight.get(replica_id, 0) > 0:
@@ -146,6 +178,7 @@ class PrefixAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.policy.forget(replica_id)
         self._held.pop(replica_id, None)
+        self.breaker.forget(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -153,6 +186,7 @@ class PrefixAffinityRouter(RequestRouter):
         for gone in [rid for rid in self._held if rid not in live]:
             self._held.pop(gone, None)
             self.policy.forget(gone)
+            self.breaker.forget(gone)
         for table in (self.in_flight, self.num_routed):
             for gone in [rid for rid in table if rid not in live]:
                 table.pop(gone, None)
@@ -170,8 +204,9 @@ class PrefixAffinityRouter(RequestRouter):
                 "replica": replica.replica_id.unique_id,
                 "in_flight": self.in_flight.get(replica.replica_id, 0),
                 "num_routed": self.num_routed.get(replica.replica_id, 0),
+                "circuit_open": self.breaker.is_open(replica.replica_id),
             })
-        return {"replicas": replicas, "decisions": dict(self.policy.decisions)}
+        return {"replicas": replicas, "decisions": dict(self.policy.decisions), "circuit_opens": self.breaker.num_opens}
 
 
 def _ray_decision_counter() -> Any:

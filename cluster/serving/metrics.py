@@ -88,6 +88,20 @@ _SPEC_COUNTERS = (
     ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
     ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens the target accepted."),
 )
+# Fault tolerance, from the engine client's "fault_tolerance" stats (cluster/serve/migration.py, the
+# request router's circuit breaker): (metric name, key, help)
+_FAULT_COUNTERS = (
+    ("request_migrations", "migrations", "Requests moved to another engine after the one serving them failed "
+                                         "(each move counts)."),
+    ("request_migration_failures", "migration_failures", "Requests that failed with every migration used up."),
+    ("overload_retries", "overload_retries", "Requests an overloaded engine refused that were retried on "
+                                             "another engine."),
+    ("circuit_breaker_opens", "circuit_opens", "Times an engine was taken out of routing after failing "
+                                               "requests in a row."),
+)
+_FAULT_GAUGES = (
+    ("engines_circuit_open", "circuit_open_engines", "Engines out of routing until their health recovers."),
+)
 # Per-pool gauges (PD): (metric name after "pool_", stats key, help)
 _PER_POOL = (
     ("num_requests_running", "num_running", "Requests in model execution batches, per pool"),
@@ -140,6 +154,18 @@ class EngineStatsCollector(Collector):
         yield from self._routing(stats)
         yield from self._disaggregated(stats)
         yield from self._spec_decode(stats)
+        yield from self._fault_tolerance(stats)
+
+    def _fault_tolerance(self, stats: dict):
+        """Migrations, overload retries and the circuit breaker (when the client reports them)."""
+        fault = stats.get("fault_tolerance")
+        if fault is None:
+            return
+        for families, family_type in ((_FAULT_COUNTERS, CounterMetricFamily), (_FAULT_GAUGES, GaugeMetricFamily)):
+            for name, key, help_text in families:
+                family = family_type(PREFIX + name, help_text, labels=["model_name"])
+                family.add_metric([self.model_name], float(fault.get(key, 0) or 0))
+                yield family
 
     def _spec_decode(self, stats: dict):
         """Speculative decoding counters (only when the engines speculate)."""

@@ -125,11 +125,15 @@ class GrammarCache:
 class StructuredOutputRequest:
     """One request's constraint: its compile future until it is ready, then its matcher."""
 
-    def __init__(self, future: Future, submitted_at: float, stop_token_ids: list[int]) -> None:
+    def __init__(self, future: Future, submitted_at: float, stop_token_ids: list[int],
+                 replay_token_ids: list[int] | None = None) -> None:
         self.future = future
         self.submitted_at = submitted_at
         self.stop_token_ids = stop_token_ids
         self.matcher: xgr.GrammarMatcher | None = None
+        # Output tokens the request starts with (resumed, or a PD continuation's): the matcher accepts
+        # them once it is made, so it stands where the run that generated them left it.
+        self.replay_token_ids = list(replay_token_ids or ())
 
     def poll(self, now: float, timeout: float) -> str | None:
         """Make the matcher once the grammar is compiled. Returns an error message when the compile
@@ -144,6 +148,9 @@ class StructuredOutputRequest:
         if exc is not None:
             return f"structured_outputs: the grammar failed to compile: {type(exc).__name__}: {exc}"
         self.matcher = xgr.GrammarMatcher(self.future.result(), override_stop_tokens=self.stop_token_ids)
+        for token_id in self.replay_token_ids:
+            if not self.matcher.accept_token(token_id):
+                return f"structured_outputs: the grammar rejects the output token {token_id} the request resumes from"
         return None
 
     @property
@@ -257,8 +264,10 @@ class StructuredOutputManager:
         finally:
             entry.params = None
 
-    def new_request(self, params: StructuredOutputsParams, stop_token_ids: set[int]) -> StructuredOutputRequest:
-        return StructuredOutputRequest(self.submit(params), time.monotonic(), sorted(stop_token_ids))
+    def new_request(self, params: StructuredOutputsParams, stop_token_ids: set[int],
+                    replay_token_ids: list[int] | None = None) -> StructuredOutputRequest:
+        return StructuredOutputRequest(self.submit(params), time.monotonic(), sorted(stop_token_ids),
+                                       replay_token_ids)
 
     def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
         """Block up to `timeout` seconds until one of the pending compiles finishes (an idle engine

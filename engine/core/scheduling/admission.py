@@ -32,7 +32,8 @@ class Admission:
         if constraint is not None and request.structured_output is None:
             if self.structured_output is None:
                 raise ValueError("structured_outputs: this engine has no structured-output manager")
-            request.structured_output = self.structured_output().new_request(constraint, request.eos_token_ids)
+            request.structured_output = self.structured_output().new_request(constraint, request.eos_token_ids,
+                                                                             request.output_token_ids)
         if request.structured_output is not None and not request.structured_output.is_ready:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self._waiting_for_grammar[request.request_id] = request

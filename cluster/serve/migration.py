@@ -1,0 +1,301 @@
+"""Requests that survive the engine serving them: `MigratingClient` wraps any `EngineClient`.
+
+It watches what each streamed request has delivered to its client. When the inner stream fails with
+`EngineDeadError` (the replica died, its node or a TP/PP rank was lost, Serve's health check found it
+stalled, or its engine was shut down with the request unfinished: `EngineStoppedError`, which is how a
+draining replica hands back what outlived its graceful window), it
+resubmits the request to the inner client as a continuation (engine/resume.py: the prompt, the output
+tokens already delivered, the original sampling parameters; the inner client's router then picks a
+healthy replica) and the client's stream goes on: no error, no repeated or missing token, usage that
+counts each token once, and `cumulative_logprob` continued token by token from where it stood. A
+completion of an `n > 1` request that had started continues on its own (its own seed), as the n == 1
+request the engine ran it as; a request that had delivered nothing is resubmitted whole.
+
+Non-streaming requests (`final_only`) are restarted from scratch instead: their client has seen
+nothing, so a fresh run is a correct answer (exactly the same one for greedy and seeded requests),
+and their engines keep answering with one finished output (no per-step detokenization or transport
+in the common, failure-free case) at the price of redoing the lost work when an engine does die.
+
+Each request migrates at most `max_migrations` times, then fails with a clean `EngineDeadError`
+(503 `engine_dead`). A request an engine refuses for load (`EngineOverloadedError`: its queue is full)
+is submitted again up to `max_overload_retries` times after a short backoff, before or after it
+started (the router, which weighs each engine's load, then picks another engine where one has room);
+only then does the refusal reach the client (503 `overloaded`). Under Serve a replica at its
+`max_ongoing_requests` already hands the request to the router's next choice itself; these retries
+cover the engine's own queue limit and every other shape. Migrations and retries are logged with the
+request id and counted in the stats the HTTP layer's /metrics reads (`fault_tolerance`:
+`migrations`, `migration_failures`, `overload_retries`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.resume import resume_params
+from pagedserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MIGRATIONS = 3
+# A request an overloaded engine refused is submitted again (the router then weighs that engine's load)
+# at most this many times, waiting this long times the retry's number first; then the refusal stands (503).
+DEFAULT_MAX_OVERLOAD_RETRIES = 2
+OVERLOAD_BACKOFF_S = 0.2
+# A request whose engine failed again waits this long times its migrations so far before the next one
+# (the first goes at once): a router learns of a dead replica a moment after its requests do.
+MIGRATION_BACKOFF_S = 0.5
+
+
+@dataclass
+class _Completion:
+    """What one completion has delivered to the client so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    finished: bool = False
+    # Since a migration the engine's cumulative_logprob starts from 0: it is summed here instead.
+    resumed: bool = False
+
+
+@dataclass
+class _Leg:
+    """One inner stream of a request: the whole request (index None) or one resumed completion."""
+
+    request_id: str
+    index: int | None
+    stream: AsyncIterator[RequestOutput]
+
+
+class MigratingClient:
+    """An `EngineClient` whose streams survive engine failures (see the module docstring)."""
+
+    def __init__(self, inner: Any, max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+                 max_overload_retries: int = DEFAULT_MAX_OVERLOAD_RETRIES) -> None:
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations: expected >= 0, got {max_migrations}")
+        if max_overload_retries < 0:
+            raise ValueError(f"max_overload_retries: expected >= 0, got {max_overload_retries}")
+        self.inner = inner
+        self.max_migrations = max_migrations
+        self.max_overload_retries = max_overload_retries
+        self.num_migrations = 0  # resubmissions after an engine failure
+        self.num_migration_failures = 0  # requests that failed with max_migrations used up
+        self.num_overload_retries = 0  # resubmissions after an engine refused a request for load
+        self._legs: dict[str, list[str]] = {}  # request id -> the inner request ids now running
+
+    # ------------------------------------------------------------------ generate
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
+                       priority: int = 0, final_only: bool = False,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The inner client's `generate`, continued on another engine when the one serving it fails."""
+        submit = _Submitter(self.inner, list(prompt_token_ids), priority, cache_salt)
+        if final_only:
+            stream = self._restarting(request_id, submit, sampling_params)
+        else:
+            stream = self._continuing(request_id, submit, sampling_params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+            self._legs.pop(request_id, None)
+
+    async def _restarting(self, request_id: str, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
+        tries = _Tries(request_id)
+        while True:
+            leg_id = tries.leg_id()
+            self._legs[request_id] = [leg_id]
+            try:
+                async with contextlib.aclosing(submit(leg_id, params, final_only=True)) as stream:
+                    async for output in stream:
+                        yield dataclasses.replace(output, request_id=request_id)
+                return
+            except (EngineDeadError, EngineOverloadedError) as exc:
+                await self._retry(tries, exc, delivered=0)
+
+    async def _continuing(self, request_id: str, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
+        original = SamplingParams(**params)
+        completions = [_Completion() for _ in range(original.n)]
+        tries = _Tries(request_id)
+        legs = [_Leg(tries.leg_id(), None, submit(tries.leg_id(), params))]
+        while True:
+            self._legs[request_id] = [leg.request_id for leg in legs]
+            merged = _merge(legs)
+            try:
+                async for leg, output in merged:
+                    yield _relabel(request_id, leg, output, completions)
+                    if all(c.finished for c in completions):
+                        return
+                raise EngineDeadError(f"the engine ended request {request_id!r} before it finished")
+            except (EngineDeadError, EngineOverloadedError) as exc:
+                await self._retry(tries, exc, sum(len(c.token_ids) for c in completions))
+            finally:
+                await merged.aclose()
+            legs = self._continuations(tries.leg_id(), submit, params, original, completions)
+
+    def _continuations(self, leg_id: str, submit: _Submitter, params: dict, original: SamplingParams,
+                       completions: list[_Completion]) -> list[_Leg]:
+        """The legs that continue a request after a failure: the whole request again when nothing had
+        been delivered, else one resumed n == 1 request per unfinished completion."""
+        if not any(c.token_ids or c.finished for c in completions):
+            return [_Leg(leg_id, None, submit(leg_id, params))]
+        legs = []
+        for index, completion in enumerate(completions):
+            if completion.finished:
+                continue
+            completion.resumed = True
+            child_params = resume_params(original, completion.token_ids, index).model_dump()
+            child_id = f"{leg_id}.{index}"
+            legs.append(_Leg(child_id, index, submit(child_id, child_params)))
+        return legs
+
+    async def _retry(self, tries: _Tries, exc: BaseException, delivered: int) -> None:
+        """Count a failed try and wait before the next one; raise when the request has none left: the
+        clean EngineDeadError once `max_migrations` are used up, the refusal itself once the overload
+        retries are."""
+        rid = tries.request_id
+        tries.submissions += 1
+        if isinstance(exc, EngineOverloadedError):
+            if tries.overloads >= self.max_overload_retries:
+                raise exc
+            tries.overloads += 1
+            self.num_overload_retries += 1
+            logger.info("request %s: refused (%s); retrying (%d of at most %d)", rid, exc, tries.overloads,
+                        self.max_overload_retries)
+            await asyncio.sleep(OVERLOAD_BACKOFF_S * tries.overloads)
+            return
+        if tries.migrations >= self.max_migrations:
+            self.num_migration_failures += 1
+            logger.error("request %s: its engine failed again (%s) and it has used its %d migrations; giving up",
+                         rid, exc, self.max_migrations)
+            raise EngineDeadError(f"request {rid!r} failed: its engine failed and the request was already "
+                                  f"migrated {self.max_migrations} times (max_migrations); last failure: {exc}") from None
+        tries.migrations += 1
+        self.num_migrations += 1
+        logger.warning("request %s: %s: %s; migrating it (%d of at most %d) with %d tokens delivered",
+                       rid, type(exc).__name__, exc, tries.migrations, self.max_migrations, delivered)
+        await asyncio.sleep(MIGRATION_BACKOFF_S * (tries.migrations - 1))
+
+    # ------------------------------------------------------------------ the rest of EngineClient
+
+    async def abort(self, request_id: str) -> None:
+        for leg_id in self._legs.get(request_id, [request_id]):
+            await self.inner.abort(leg_id)
+
+    def aggregate_stats(self) -> dict[str, Any]:
+        return self._with_counts(self.inner.aggregate_stats())
+
+    def latest_stats(self) -> dict[str, Any]:
+        return self._with_counts(self.inner.latest_stats())
+
+    def is_healthy(self) -> bool:
+        return self.inner.is_healthy()
+
+    def _with_counts(self, stats: dict[str, Any]) -> dict[str, Any]:
+        fault = dict(stats.get("fault_tolerance") or {})
+        fault.update(migrations=self.num_migrations, migration_failures=self.num_migration_failures,
+                     overload_retries=self.num_overload_retries)
+        return {**stats, "fault_tolerance": fault}
+
+    def __getattr__(self, name: str) -> Any:
+        """Whatever else the wrapped client offers (its shape's own API)."""
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@dataclass
+class _Submitter:
+    """Submits one request (or one of its continuations) to the inner client."""
+
+    inner: Any
+    prompt_token_ids: list[int]
+    priority: int
+    cache_salt: str | None
+
+    def __call__(self, request_id: str, params: dict, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        return self.inner.generate(request_id, self.prompt_token_ids, params, self.priority,
+                                   final_only=final_only, cache_salt=self.cache_salt)
+
+
+@dataclass
+class _Tries:
+    """One request's submissions so far: what it has used of its migrations and overload retries."""
+
+    request_id: str
+    submissions: int = 0
+    migrations: int = 0
+    overloads: int = 0
+
+    def leg_id(self) -> str:
+        """The inner request id of this submission: a resubmission never reuses one an engine may still hold."""
+        return self.request_id if self.submissions == 0 else f"{self.request_id}~m{self.submissions}"
+
+
+def _relabel(request_id: str, leg: _Leg, output: RequestOutput, completions: list[_Completion]) -> RequestOutput:
+    """An inner output as the client's stream carries it: the request's own id, each completion at its
+    own index, `cumulative_logprob` continued across seams; records what it delivers."""
+    outs: list[CompletionOutput] = []
+    for c in output.outputs:
+        index = c.index if leg.index is None else leg.index
+        done = completions[index]
+        cumulative = c.cumulative_logprob
+        if done.resumed and cumulative is not None and c.logprobs is not None:
+            cumulative = done.cumulative_logprob or 0.0
+            for token_id, entry in zip(c.token_ids, c.logprobs):
+                cumulative += entry[token_id].logprob  # one by one, as the engine adds them
+        done.token_ids.extend(c.token_ids)
+        done.cumulative_logprob = cumulative
+        done.finished = done.finished or c.finish_reason is not None
+        outs.append(dataclasses.replace(c, index=index, cumulative_logprob=cumulative))
+    return dataclasses.replace(output, request_id=request_id, outputs=outs,
+                               finished=all(c.finished for c in completions))
+
+
+async def _merge(legs: list[_Leg]) -> AsyncIterator[tuple[_Leg, RequestOutput]]:
+    """Interleave the legs' outputs as (leg, output); the first failure of any leg is raised; closing
+    this closes every leg (which aborts what is still running)."""
+    if len(legs) == 1:
+        leg = legs[0]
+        try:
+            async for output in leg.stream:
+                yield leg, output
+        finally:
+            await leg.stream.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(leg: _Leg) -> None:
+        try:
+            async for output in leg.stream:
+                queue.put_nowait((leg, output))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((leg, exc))
+        finally:
+            queue.put_nowait((leg, end))
+
+    tasks = [asyncio.create_task(pump(leg)) for leg in legs]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            leg, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield leg, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
