@@ -203,13 +203,22 @@ def test_a_refused_duplicate_request_id_leaves_the_running_request_alone(async_l
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     async def run():
-        first = asyncio.create_task(_collect(async_llm, "def fibonacci(n):", params, request_id="dup"))
-        await asyncio.sleep(0.05)
+        tokens, finals = [], []
+        first = async_llm.generate("def fibonacci(n):", params, request_id="dup")
+        out = await anext(first)  # the first request is running now
+        tokens += out.outputs[0].token_ids
         with pytest.raises(ValueError, match="already in use"):
             await _collect(async_llm, "import os", params, request_id="dup")
-        return await asyncio.wait_for(first, 120)  # an aborted first request would never finish here
 
-    text, tokens, finals = asyncio.run(run())
+        async def rest():
+            async for out in first:
+                tokens.extend(out.outputs[0].token_ids)
+                finals.extend([out.outputs[0].finish_reason] if out.outputs[0].finish_reason else [])
+
+        await asyncio.wait_for(rest(), 120)  # an aborted first request would never finish here
+        return tokens, finals
+
+    tokens, finals = asyncio.run(run())
     assert len(tokens) == 24 and finals == ["length"]
 
 
