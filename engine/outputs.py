@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # A position's logprobs: token id -> Logprob. Sample logprobs are a list of these, one per output token.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -91,6 +92,29 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's shape: `.outputs.embedding`). Always finished: an embedding request
+    reports once, after its prefill. `error` says why it failed (its embedding is then empty)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
 class EngineCoreOutput:
     """One request's progress in one engine step (tokens are the new ones only)."""
 
@@ -108,6 +132,8 @@ class EngineCoreOutput:
     # With finish_reason "error": what failed (reaches the request's client).
     error: str | None = None
     kv_transfer_params: dict | None = None
+    # An embedding request's vector (a float32 CPU tensor), with its finishing output.
+    pooled: Any = None
 
     @property
     def finished(self) -> bool:
