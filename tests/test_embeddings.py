@@ -205,3 +205,29 @@ def test_async_llm_encode(model, hf_model):
         assert cosine(outs[0].outputs.embedding, reference(hf_model, outs[0].prompt_token_ids, "mean")) > 0.9999
     assert gen[-1].finished
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_cli_flags_reach_the_engine(model):
+    from pagedserve.cluster.cli import build_parser, serve_args_from
+
+    ns = build_parser().parse_args(["serve", str(model), "--pooling", "mean", "--no-normalize-embeddings"])
+    kwargs = serve_args_from(ns).engine_kwargs()
+    assert kwargs["pooling"] == "mean" and kwargs["normalize_embeddings"] is False
+    assert EngineConfig(**kwargs).pooling == "mean"
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_preempted_embeddings_start_again(model, hf_model, pooling):
+    """A KV cache too small for everyone: requests are preempted and recomputed, embeddings included,
+    and the vectors are still HF's (what a preempted request had gathered is dropped)."""
+    llm = LLM(str(model), **engine_kwargs(num_kv_blocks=14, max_num_batched_tokens=8))
+    try:
+        embeddings, texts = run_mixed(llm, [LONG, LONG + " again"], ["a b c", "hello world"], pooling)
+        assert llm.get_stats().num_preemptions > 0
+        for out in embeddings.values():
+            assert out.error is None
+            assert cosine(out.outputs.embedding, reference(hf_model, out.prompt_token_ids, pooling)) > 0.9999
+        assert all(len(t) == 12 for t in texts.values())
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
