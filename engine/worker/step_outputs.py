@@ -1,8 +1,8 @@
 """From the last pipeline stage's hidden states to the step's ModelRunnerOutput: prompt logprobs of the
 chunks that cover prompt tokens, the embedding requests' pooled vectors (pooler.py), one sampled token
-per sampling row (its grammar bitmask applied), the
-verified drafts of speculating requests, and the failures of requests whose own work raised (each
-fails alone; a verification that raises fails every speculating request of the step).
+per sampling row (its grammar bitmask applied), the verified drafts of speculating requests, and the
+failures of requests whose own work raised (each fails alone; a verification that raises fails every
+speculating request of the step).
 
 Every rank of the last stage computes the logits (the LM head may be tensor-parallel); only the driver
 samples and reports."""

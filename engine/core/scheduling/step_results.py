@@ -1,8 +1,7 @@
 """A returned step's results landed on its requests: the sampled token appended with the stop checks
 (a speculating request's accepted drafts and token through speculation's own landing), the grammar
 advanced, prompt logprobs cut to the chunk, an embedding request's vector (it finishes with it), and
-one EngineCoreOutput per request with news. Keeps the
-token counters the stats report."""
+one EngineCoreOutput per request with news. Keeps the token counters the stats report."""
 
 from __future__ import annotations
 
