@@ -75,6 +75,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
                              '"model": PATH, "num_speculative_tokens": 3}\'')
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    parser.add_argument("--pooling", choices=["last", "mean", "cls"],
+                        help="embeddings: the prompt positions whose hidden states make the vector (default last)")
+    parser.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                        help="embeddings: L2-normalize the vectors (default on)")
     parser.add_argument("--max-logprobs", type=int, help="most logprobs a request may ask for (default 20)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput
 
 
 @runtime_checkable
@@ -23,10 +23,12 @@ class EngineClient(Protocol):
     """The engines behind one app, as the OpenAI layer sees them."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                 priority: int = 0, final_only: bool = False,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
+                 pooling_params: dict | None = None) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Stream DELTA outputs (or, with `final_only`, the finished output alone). Raises ValueError (bad
-        input), EngineOverloadedError or EngineDeadError; closing the iteration early aborts the request."""
+        input), EngineOverloadedError or EngineDeadError; closing the iteration early aborts the request.
+        With `pooling_params` (engine.pooling_params.PoolingParams fields) it is an embedding request,
+        routed like any prompt: `sampling_params` is ignored and the stream is one `EmbeddingRequestOutput`."""
         ...
 
     async def abort(self, request_id: str) -> None:

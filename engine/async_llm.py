@@ -22,7 +22,8 @@ from typing import Any
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.output_processor import OutputKind
-from pagedserve.engine.outputs import RequestOutput, SchedulerStats
+from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput, SchedulerStats
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.processor import PromptType
 from pagedserve.engine.sampling_params import SamplingParams, bad_words_token_ids
 
@@ -159,6 +160,21 @@ class AsyncLLM:
     def _abort_if_added(self, future: concurrent.futures.Future, request_id: str) -> None:
         if not future.cancelled() and future.exception() is None:
             self._commands.put(("abort", [request_id], None))
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """An embedding request (vLLM's name): yields its one finished `EmbeddingRequestOutput`. Its
+        prefill runs in the same continuous batch as the generations; ValueError on bad input."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise ValueError("pooling_params: expected a PoolingParams")
+        async for output in self.generate(prompt, pooling_params, request_id, priority,  # type: ignore[arg-type]
+                                          output_kind=OutputKind.FINAL_ONLY):
+            yield output  # type: ignore[misc]
 
     def release_kv(self, holds: list[tuple[str, str]]) -> None:
         """Prefill producer: readers are done with these holds' KV, each (hold id, hold token) (thread-safe)."""

@@ -145,6 +145,11 @@ class EngineConfig(BaseModel):
     # vLLM's name: schedule step N+1 while step N runs (the sampled token feeds the next step on the worker);
     # the in-process executor only (engine/core/scheduling/in_flight.py).
     async_scheduling: bool = False
+    # Embeddings (`LLM.embed`, /v1/embeddings) from this decoder model (vLLM's PoolerConfig): which prompt
+    # positions' final-norm hidden states make a request's vector when it does not say (last token, their
+    # mean, the first), and whether vectors are L2-normalized by default (engine/pooling_params.py).
+    pooling: Literal["last", "mean", "cls"] = "last"
+    normalize_embeddings: bool = True
 
     # Resolved from the HF config by `resolve()`; not user input.
     hf_config: Any = Field(default=None, exclude=True)

@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import RequestOutput, SchedulerStats
+from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput, SchedulerStats
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.processor import PromptType
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.tool_parsers.tool_spec import messages_for_template, parse_tools, tools_for_template
@@ -61,9 +62,12 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params_list)} for {len(prompts)} prompts; give one or one per prompt"
                 )
+        return self._add_and_run(prompts, params_list, priority, use_tqdm)  # type: ignore[return-value]
+
+    def _add_and_run(self, prompts: list[PromptType], params_list: list[SamplingParams | PoolingParams],
+                     priority: Sequence[int] | None, use_tqdm: bool) -> list[RequestOutput | EmbeddingRequestOutput]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
-
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
@@ -75,6 +79,33 @@ class LLM:
             engine.abort_request(request_ids)  # a bad prompt must not leave its batch-mates running
             raise
         return self._run_engine(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`, a list of floats), in the order of the prompts:
+        the served decoder's final-norm hidden states pooled as `pooling_params` say (default: the engine's
+        `pooling` and `normalize_embeddings`). Each prompt is a prefill-only request in the same continuous
+        batch as any generation. Bad input raises ValueError; a request that fails while running does not
+        raise: its output's `error` says why (its embedding is empty)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"pooling_params: got {len(params_list)} for {len(prompts)} prompts; give one or one per prompt"
+                )
+        return self._add_and_run(prompts, params_list, priority, use_tqdm)  # type: ignore[return-value]
 
     def chat(
         self,
@@ -126,10 +157,10 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput | EmbeddingRequestOutput]:
         engine = self.llm_engine
         wanted = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while len(finished) < len(request_ids):

@@ -8,7 +8,14 @@ import time
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
-from pagedserve.engine.outputs import RequestOutput, SchedulerStats
+from pagedserve.engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    EngineCoreOutput,
+    RequestOutput,
+    SchedulerStats,
+)
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.processor import Processor, PromptType
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.engine.core.request import RequestStatus
@@ -27,23 +34,30 @@ class LLMEngine:
         # parent request id -> its child engine request ids (n > 1)
         self._children: dict[str, list[str]] = {}
         self._step_seconds = 0.0  # cumulative wall time of step() (SchedulerStats.step_seconds)
+        # Embedding requests in the engine -> their prompt (text, token ids).
+        self._embeddings: dict[str, tuple[str | None, list[int]]] = {}
 
     def add_request(
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         bad_words_ids: list[list[int]] | None = None,
     ) -> None:
-        """Validate and queue a request; raises ValueError (naming the field) on bad input.
+        """Validate and queue a request; raises ValueError (naming the field) on bad input. With
+        PoolingParams it is an embedding request: one finished `EmbeddingRequestOutput` reports it.
         `bad_words_ids`: `params.bad_words` already tokenized (else they are tokenized here)."""
-        if request_id in self._children or request_id in self.output_processor.states:
+        if request_id in self._children or request_id in self.output_processor.states or request_id in self._embeddings:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = time.time() if arrival_time is None else arrival_time
         text, request = self.processor.process(request_id, prompt, params, priority, arrival_time, bad_words_ids)
+        if isinstance(params, PoolingParams):  # an embedding: reported by this engine, not the output processor
+            self.engine_core.add_request(request)
+            self._embeddings[request_id] = (text, request.prompt_token_ids)
+            return
         if params.n == 1:
             self.output_processor.add_request(
                 request_id, text, request.prompt_token_ids, params, arrival_time, output_kind,
@@ -73,6 +87,7 @@ class LLMEngine:
             engine_ids.extend(self._children.pop(rid, [rid]))
         for rid in engine_ids:
             self.output_processor.abort_request(rid)
+            self._embeddings.pop(rid, None)
         self.engine_core.abort_requests(engine_ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -81,22 +96,40 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.engine_core.scheduler.get_num_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         start = time.perf_counter()
         try:
             return self._step()
         finally:
             self._step_seconds += time.perf_counter() - start
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         core_outputs = self.engine_core.step()
+        embeddings: list[EmbeddingRequestOutput] = []
+        if self._embeddings:
+            embeddings = [self._embedding_output(out) for out in core_outputs
+                          if out.request_id in self._embeddings and out.finished]
+            core_outputs = [out for out in core_outputs if out.request_id not in self._embeddings]
+            for out in embeddings:
+                del self._embeddings[out.request_id]
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.engine_core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
-        return outputs
+        return [*outputs, *embeddings] if embeddings else outputs
+
+    def _embedding_output(self, out: EngineCoreOutput) -> EmbeddingRequestOutput:
+        text, prompt_token_ids = self._embeddings[out.request_id]
+        error = out.error
+        if out.pooled is None and error is None:  # finished without its vector ("length": it never fits)
+            error = f"the request finished without an embedding ({out.finish_reason})"
+        return EmbeddingRequestOutput(
+            request_id=out.request_id, prompt=text, prompt_token_ids=prompt_token_ids,
+            outputs=EmbeddingOutput([] if out.pooled is None else out.pooled.tolist()),
+            num_cached_tokens=out.num_cached_tokens, error=error,
+        )
 
     def release_kv(self, holds: list[tuple[str, str]]) -> None:
         """Prefill producer: readers are done with these holds' KV, each (hold id, hold token) (see

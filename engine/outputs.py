@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.engine.request_timeline import RequestTimeline
 
@@ -95,6 +96,29 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's shape: `.outputs.embedding`). Always finished: an embedding request
+    reports once, after its prefill. `error` says why it failed (its embedding is then empty)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
 class EngineCoreOutput:
     """One request's progress in one engine step (tokens are the new ones only)."""
 
@@ -113,6 +137,8 @@ class EngineCoreOutput:
     error: str | None = None
     kv_transfer_params: dict | None = None
     timeline: RequestTimeline | None = None
+    # An embedding request's vector (a float32 CPU tensor), with its finishing output.
+    pooled: Any = None
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Union
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.request import Request
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.kv_transfer.params import continuation_token_ids
 from pagedserve.engine.sampling_params import (
     MAX_BAD_WORDS_TOKENS,
@@ -88,19 +89,20 @@ class Processor:
                 return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
         raise ValueError("prompt: expected a string or a dict with 'prompt_token_ids' or 'prompt'")
 
-    def validate_prompt_ids(self, ids: list[int]) -> None:
+    def validate_prompt_ids(self, ids: list[int], generates: bool = True) -> None:
+        """`generates`: room for at least one generated token must be left (not for an embedding)."""
         if not ids:
             raise ValueError("prompt: the prompt is empty")
         bad = [t for t in ids if t < 0 or t >= self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
         max_len = self.config.max_model_len
-        if len(ids) >= max_len:
+        if len(ids) + int(generates) > max_len:
             raise ValueError(
-                f"prompt: the prompt has {len(ids)} tokens, but max_model_len is {max_len} "
-                "(the prompt and at least one generated token must fit)"
+                f"prompt: the prompt has {len(ids)} tokens, but max_model_len is {max_len}"
+                + (" (the prompt and at least one generated token must fit)" if generates else "")
             )
-        if len(ids) + 1 > self.kv_cache_capacity_tokens:
+        if len(ids) + int(generates) > self.kv_cache_capacity_tokens:
             raise ValueError(
                 f"prompt: the prompt has {len(ids)} tokens, more than the whole KV cache holds "
                 f"({self.kv_cache_capacity_tokens} tokens); raise kv_cache_memory"
@@ -137,21 +139,23 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
         bad_words_ids: list[list[int]] | None = None,
     ) -> tuple[str | None, Request]:
         """`bad_words_ids`: `params.bad_words` already tokenized (`bad_words_token_ids`), e.g. off the
         engine thread by `AsyncLLM`; else they are tokenized here."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params: expected a SamplingParams")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise ValueError("sampling_params: expected a SamplingParams (or PoolingParams for an embedding)")
         if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             raise ValueError(f"priority: expected an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError("priority: set scheduling_policy='priority' to use request priorities")
         cache_salt = cache_salt_of(prompt)
         text, ids = self.tokenize_prompt(prompt)
+        if isinstance(params, PoolingParams):
+            return text, self._pooling_request(request_id, ids, params, priority, arrival_time, cache_salt)
         self.validate_prompt_ids(ids)
         self.validate_params(params)
         max_tokens = self.resolve_max_tokens(params, len(ids))
@@ -175,6 +179,25 @@ class Processor:
         for token_id in self._continuation(params, max_tokens):
             request.append_output_token(token_id)
         return text, request
+
+    def _pooling_request(self, request_id: str, ids: list[int], params: PoolingParams, priority: int,
+                         arrival_time: float | None, cache_salt: str | None) -> Request:
+        """An embedding request: its prompt may fill max_model_len (nothing is generated); its pooling
+        resolved against the engine's defaults; a placeholder SamplingParams (it never samples)."""
+        self.validate_prompt_ids(ids, generates=False)
+        resolved = params.resolved(self.config.pooling, self.config.normalize_embeddings,
+                                   int(self.config.hf_config.hidden_size))
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=SamplingParams(max_tokens=1),
+            eos_token_ids=set(),
+            max_tokens=1,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+            pooling_params=resolved,
+        )
 
     def _continuation(self, params: SamplingParams, max_tokens: int) -> list[int]:
         """The output tokens a request starts with, validated: a prefill/decode continuation's first

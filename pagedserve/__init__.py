@@ -22,6 +22,9 @@ _EXPORTS: dict[str, str] = {
     "LLM": "pagedserve.engine.llm",
     "AsyncLLM": "pagedserve.engine.async_llm",
     "SamplingParams": "pagedserve.engine.sampling_params",
+    "PoolingParams": "pagedserve.engine.pooling_params",
+    "EmbeddingRequestOutput": "pagedserve.engine.outputs",
+    "EmbeddingOutput": "pagedserve.engine.outputs",
     "RequestOutput": "pagedserve.engine.outputs",
     "CompletionOutput": "pagedserve.engine.outputs",
     "Logprob": "pagedserve.engine.outputs",
@@ -35,7 +38,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.config import EngineArgs, EngineConfig
     from pagedserve.engine.llm import LLM
-    from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedserve.engine.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestOutput,
+    )
+    from pagedserve.engine.pooling_params import PoolingParams
     from pagedserve.engine.sampling_params import SamplingParams
 
 

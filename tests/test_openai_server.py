@@ -280,6 +280,29 @@ def test_resource_caps_are_400s_through_serve(http):
     assert http.get("/health").status_code == 200
 
 
+def test_embeddings_through_serve(client, http, tiny_model_factory):
+    """/v1/embeddings through the Serve ingress, router and engine replica: HF's pooled hidden states."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModel.from_pretrained(str(tiny_model_factory("llama", max_position_embeddings=2048)),
+                                                dtype=torch.float32).eval()
+    ids = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    result = client.embeddings.create(model=MODEL, input=ids)  # base64 on the wire, decoded by the client
+    assert [d.index for d in result.data] == [0, 1] and result.usage.prompt_tokens == 9
+    for token_ids, item in zip(ids, result.data):
+        with torch.no_grad():
+            expected = hf(torch.tensor([token_ids])).last_hidden_state[0, -1]
+        got = torch.tensor(item.embedding)
+        assert torch.nn.functional.cosine_similarity(got, expected, dim=0).item() > 0.9999
+        assert abs(got.norm().item() - 1.0) < 1e-5
+    response = http.post("/v1/embeddings", json={"model": MODEL, "input": ""})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+    assert "embeddings" in http.get("/v1/models").json()["data"][0]["capabilities"]
+    text = wait_idle(http)
+    assert metric(text, "pagedserve:kv_cache_free_blocks") == metric(text, "pagedserve:kv_cache_total_blocks")
+
+
 def test_metrics_after_requests(client, http):
     client.completions.create(model=MODEL, prompt="def fibonacci", max_tokens=4, temperature=0)
     client.completions.create(model=MODEL, prompt="def fibonacci", max_tokens=4, temperature=0)

@@ -384,3 +384,17 @@ def test_a_stream_closed_after_its_first_token_releases_the_hold_at_once(tiny_mo
             assert (free, held) == (total, 0)
     finally:
         pd.close()
+
+
+def test_embeddings_equal_monolithic(clients, servers):
+    """An embedding is a prefill and nothing else: the PD app computes it on a prefill engine, and the vector
+    is the monolithic server's; no hold is left behind (`every_block_free`)."""
+    mono_client, pd_client = clients
+    body = {"model": MODEL_NAME, "input": PROMPTS, "encoding_format": "float"}
+    mono, pd = mono_client.post("/v1/embeddings", json=body), pd_client.post("/v1/embeddings", json=body)
+    assert mono.status_code == 200 and pd.status_code == 200, (mono.text, pd.text)
+    assert pd.json()["usage"] == mono.json()["usage"] == {"prompt_tokens": sum(map(len, PROMPTS)),
+                                                          "total_tokens": sum(map(len, PROMPTS))}
+    for a, b in zip(mono.json()["data"], pd.json()["data"], strict=True):
+        assert a["index"] == b["index"]
+        assert max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"], strict=True)) < 1e-5

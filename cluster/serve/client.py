@@ -65,20 +65,22 @@ class ServeEngineClient:
         self.counters = FleetCounters(COUNTER_KEYS)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0, final_only: bool = False,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
+                       pooling_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs, or with `final_only` only the finished output (the engine then decodes
         its text once at the end). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
-        (the replica died while serving this request). Closing the iteration early cancels the handle's
-        response, which aborts the request in its engine.
+        (the replica died while serving this request). `pooling_params`: an embedding request (one output).
+        Closing the iteration early cancels the handle's response, which aborts the request in its engine.
 
         The request's outcome feeds the router's circuit breaker: the replica died under it or the engine
         ended it with an error (a failure), or it finished (a success); bad input, refusals for load and
         a caller that stopped reading say nothing about the engine."""
         with _own_internal_request_id() as internal_id:
             # The prompt stays the second positional argument: the request router reads it there.
+            extra = {} if pooling_params is None else {"pooling_params": pooling_params}
             response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params,
-                                                          priority, final_only=final_only, cache_salt=cache_salt)
+                                                          priority, final_only=final_only, cache_salt=cache_salt,
+                                                          **extra)
         restore = PromptRestorer()
         finished = False
         ok: bool | None = None  # the outcome, as the circuit breaker counts it (None: not the engine's doing)

@@ -161,8 +161,10 @@ class DPCoordinator:
         priority: int = 0,
         final_only: bool = False,
         cache_salt: str | None = None,
+        pooling_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Route the request and stream its DELTA outputs; with `final_only` (the caller reads only the
+        """Route the request and stream its DELTA outputs (`pooling_params`: an embedding request, one
+        output); with `final_only` (the caller reads only the
         end, e.g. a non-streaming HTTP request) the stream is the one finished output. `cache_salt` goes
         into the engine prompt (its prefix-cache hashes).
 
@@ -182,7 +184,7 @@ class DPCoordinator:
                 # aclosing: an early stop by the consumer closes the engine stream now (abort, bookkeeping).
                 async with contextlib.aclosing(
                     self._generate_on(index, request_id, prompt_token_ids, sampling_params, priority, final_only,
-                                      cache_salt)
+                                      cache_salt, pooling_params)
                 ) as outputs:
                     async for output in outputs:
                         produced = True
@@ -196,7 +198,7 @@ class DPCoordinator:
 
     async def _generate_on(
         self, index: int, request_id: str, prompt_token_ids: list[int], sampling_params: dict, priority: int,
-        final_only: bool = False, cache_salt: str | None = None,
+        final_only: bool = False, cache_salt: str | None = None, pooling_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         state = self.engines[index]
         self._remember_prefix(prompt_token_ids, index)
@@ -211,7 +213,12 @@ class DPCoordinator:
             args = (request_id, prompt, sampling_params, priority)
             # EngineActor.generate's fifth argument, `final_only`, sent only when set: a streaming call
             # stays the plain four-argument one that any engine handle (or test double) answers.
-            stream = state.handle.generate.remote(*args, True) if final_only else state.handle.generate.remote(*args)
+            if pooling_params is not None:  # an embedding (EngineActor.generate's sixth argument)
+                stream = state.handle.generate.remote(*args, True, pooling_params)
+            elif final_only:
+                stream = state.handle.generate.remote(*args, True)
+            else:
+                stream = state.handle.generate.remote(*args)
             restore = PromptRestorer()
             async for ref in stream:
                 output: RequestOutput = restore(await ref)

@@ -57,7 +57,8 @@ from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECT
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.output_processor import OutputKind
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,13 @@ def _plain_value_error(exc: ValueError) -> ValueError:
     return exc
 
 
-def _abort_output(request_id: str, prompt: str | dict, n: int) -> RequestOutput:
+def _abort_output(request_id: str, prompt: str | dict,
+                  params: SamplingParams | PoolingParams) -> RequestOutput | EmbeddingRequestOutput:
     prompt_ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
+    text = prompt if isinstance(prompt, str) else None
+    if isinstance(params, PoolingParams):
+        return EmbeddingRequestOutput(request_id, text, prompt_ids, EmbeddingOutput([]), error="aborted")
+    n = params.n
     outputs = [
         CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="abort")
         for i in range(n)
@@ -166,22 +172,30 @@ class EngineActor:
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
     async def generate(
         self, request_id: str, prompt: str | dict, sampling_params: dict, priority: int = 0,
-        final_only: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+        final_only: bool = False, pooling_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Stream DELTA outputs, the prompt only in the first (see `stream_transport`). With `final_only`
         (the caller reads nothing before the end: a non-streaming HTTP request) the stream is one output,
         the finished one with every token (OutputKind.FINAL_ONLY: its text is decoded once, not per step).
-        ValueError (bad input), EngineOverloadedError and EngineDeadError propagate."""
+        ValueError (bad input), EngineOverloadedError and EngineDeadError propagate. With `pooling_params`
+        (PoolingParams fields) it is an embedding request (`AsyncLLM.encode`): one finished
+        EmbeddingRequestOutput; `sampling_params` is ignored."""
         try:
-            params = SamplingParams(**sampling_params)
+            if pooling_params is not None:
+                params: SamplingParams | PoolingParams = PoolingParams(**pooling_params)
+            else:
+                params = SamplingParams(**sampling_params)
         except ValueError as exc:
             raise _plain_value_error(exc) from None
         if request_id in self._aborts:
             raise ValueError(f"request_id: {request_id!r} is already running on engine {self.engine_index}")
         aborted = asyncio.Event()
         self._aborts[request_id] = aborted
-        stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority,
-                                      output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA)
+        if isinstance(params, PoolingParams):
+            stream = self.engine.encode(prompt, params, request_id=request_id, priority=priority)
+        else:
+            stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority,
+                                          output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA)
         elide = PromptElider()
         abort_wait = asyncio.ensure_future(aborted.wait())
         next_output: asyncio.Future | None = None
@@ -193,7 +207,7 @@ class EngineActor:
                 if not next_output.done():
                     await _cancel_and_wait(next_output)
                     self._num_stream_outputs += 1
-                    yield elide(_abort_output(request_id, prompt, params.n))
+                    yield elide(_abort_output(request_id, prompt, params))
                     return
                 try:
                     output = next_output.result()

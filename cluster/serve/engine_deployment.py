@@ -69,16 +69,18 @@ class PagedServeEngine:
                 "rank_node_ids": self.actor.rank_node_ids()}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0, final_only: bool = False,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
+                       pooling_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs for one prompt (only the finished one with `final_only`); cancelling the
         stream (the caller's handle response was cancelled, e.g. its client went away) aborts the request
-        and frees its blocks. `cache_salt` goes into the engine prompt (its prefix-cache hashes)."""
+        and frees its blocks. `cache_salt` goes into the engine prompt (its prefix-cache hashes).
+        `pooling_params`: an embedding request (EngineActor.generate)."""
         self._remember(prompt_token_ids)
         prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        async for output in self.actor.generate(request_id, prompt, sampling_params, priority, final_only=final_only):
+        async for output in self.actor.generate(request_id, prompt, sampling_params, priority, final_only=final_only,
+                                                pooling_params=pooling_params):
             yield output
 
     async def abort_requests(self, request_ids: list[str]) -> None:

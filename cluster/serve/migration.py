@@ -94,11 +94,12 @@ class MigratingClient:
     # ------------------------------------------------------------------ generate
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0, final_only: bool = False,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The inner client's `generate`, continued on another engine when the one serving it fails."""
-        submit = _Submitter(self.inner, list(prompt_token_ids), priority, cache_salt)
-        if final_only:
+                       priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
+                       pooling_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """The inner client's `generate`, continued on another engine when the one serving it fails. An
+        embedding request (`pooling_params`: one output, nothing streamed before it) is computed again."""
+        submit = _Submitter(self.inner, list(prompt_token_ids), priority, cache_salt, pooling_params)
+        if final_only or pooling_params is not None:
             stream = self._restarting(request_id, submit, sampling_params)
         else:
             stream = self._continuing(request_id, submit, sampling_params)
@@ -221,10 +222,12 @@ class _Submitter:
     prompt_token_ids: list[int]
     priority: int
     cache_salt: str | None
+    pooling_params: dict | None = None
 
     def __call__(self, request_id: str, params: dict, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        extra = {} if self.pooling_params is None else {"pooling_params": self.pooling_params}
         return self.inner.generate(request_id, self.prompt_token_ids, params, self.priority,
-                                   final_only=final_only, cache_salt=self.cache_salt)
+                                   final_only=final_only, cache_salt=self.cache_salt, **extra)
 
 
 @dataclass

@@ -120,15 +120,21 @@ class PDClient:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
-                       priority: int = 0, final_only: bool = False,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
+                       pooling_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs. `cache_salt` goes to both legs (both engines' prefix caches are salted). Raises ValueError (bad input), EngineOverloadedError (every decode engine
         refused), or EngineDeadError (the decode engine died while serving this request).
 
         `final_only` (the caller reads only the end): a decode leg that computes the whole output itself
         (prompt logprobs, fallbacks, n > 1) asks its engine for the finished output alone. The prefill leg
         (one token, its output the first delta or the answer) and an n == 1 continuation stay DELTA: the
-        continuing engine's outputs start after the prefill's token, which the client already has."""
+        continuing engine's outputs start after the prefill's token, which the client already has.
+        `pooling_params`: an embedding request, computed on a prefill engine (nothing to hand over)."""
+        if pooling_params is not None:  # an embedding is a prefill and nothing else: the prefill pool's
+            async for output in self.prefill.generate(request_id, prompt_token_ids, {}, priority,
+                                                      cache_salt=cache_salt, pooling_params=pooling_params):
+                yield output
+            return
         user = {**sampling_params, "kv_transfer_params": None}
         # A migrated request's continuation (migration.py) recomputes on a decode engine alone.
         if user.get("prompt_logprobs") is not None or user.get("resume_output_token_ids"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from pagedserve.cluster.serving import chat, completions, system, tokenization
+from pagedserve.cluster.serving import chat, completions, embeddings, system, tokenization
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.errors import install_error_handlers
 from pagedserve.cluster.serving.middleware import ServingMiddleware
@@ -37,6 +37,10 @@ def build_fastapi_app(serving: OpenAIServing, behind_serve_proxy: bool = False) 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest):
         return await chat.create_chat_completion(serving, request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: embeddings.EmbeddingRequest) -> dict:
+        return await embeddings.create_embedding(serving, request)
 
     @app.get("/v1/models")
     async def models() -> dict:

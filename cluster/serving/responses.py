@@ -159,6 +159,8 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     # Which default model this is and why it is served (None for a model the operator named).
     description: str | None = None
+    # What the model serves: the endpoint families ("completions", "chat", "embeddings", ...).
+    capabilities: list[str] | None = None
 
 
 class ModelList(BaseModel):

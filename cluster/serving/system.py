@@ -9,9 +9,14 @@ from pagedserve.cluster.serving.errors import APIError
 from pagedserve.cluster.serving.responses import ModelCard, ModelList
 
 
+# What every served model supports: the decoder generates, and its pooled hidden states are embeddings.
+CAPABILITIES = ("completions", "chat", "embeddings")
+
+
 def list_models(serving: OpenAIServing) -> ModelList:
     return ModelList(data=[ModelCard(id=serving.model_name, root=serving.args.model,
-                                     max_model_len=serving.max_model_len, description=serving.model_description)])
+                                     max_model_len=serving.max_model_len, description=serving.model_description,
+                                     capabilities=list(CAPABILITIES))])
 
 
 def health(serving: OpenAIServing) -> Response:

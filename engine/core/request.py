@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.request_timeline import RequestTimeline
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -54,6 +55,9 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # An embedding request (resolved: its pooling type set): prefill only, it finishes with its pooled
+    # vector and samples nothing (its sampling_params are a placeholder).
+    pooling_params: PoolingParams | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -97,8 +101,11 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """Prompt logprobs need the logits of every prompt position, so such a request computes its
-        whole prompt instead of reusing cached blocks (its own blocks still enter the cache)."""
+        """Prompt logprobs need the logits of every prompt position, and mean/cls pooling the hidden
+        states of every (the first) position, so such a request computes its whole prompt instead of
+        reusing cached blocks (its own blocks still enter the cache)."""
+        if self.pooling_params is not None and self.pooling_params.needs_every_position:
+            return True
         return self.sampling_params.prompt_logprobs is not None
 
     def take_new_prompt_logprobs(self, chunk_start: int, entries: list) -> list | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 
 
@@ -23,6 +24,8 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: set[int]
     bad_words_token_ids: list[list[int]]
+    # An embedding request: the runner pools its prompt's hidden states instead of sampling.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -87,3 +90,5 @@ class ModelRunnerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     # ... and, when it asked for logprobs, one entry list per emitted token (accepted drafts, then the token).
     spec_logprobs: dict[str, list[list[tuple[int, float, int]]]] = field(default_factory=dict)
+    # Embedding requests whose prefill ended this step -> their pooled vector (a float32 CPU tensor).
+    pooled: dict[str, Any] = field(default_factory=dict)

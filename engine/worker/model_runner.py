@@ -6,7 +6,7 @@ step is planned (step_plan.py: drafts proposed, decodes first, the rows that sam
 gathered from the input batch with vectorized numpy; the model runs (a replayed CUDA graph for a
 decode-only step on GPU, with the KV connector's loads beside it); and on the last pipeline stage the
 hidden states become the step's output (step_outputs.py: sampled tokens, verified drafts, logprobs,
-failures). The runner itself owns the model, its KV cache and what is built at start-up.
+embedding requests' pooled vectors (pooler.py), failures). The runner itself owns the model, its KV cache and what is built at start-up.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class ModelRunner:
             self.kv_hooks.start_load_kv(kv_md)  # releases go out now; loads run beside the forward pass
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={}) if self.is_driver else None
-        plan = plan_step(so, self.input_batch, self.states.requests, self.speculator)
+        plan = plan_step(so, self.input_batch, self.states.requests, self.speculator, self.states.pooling_reqs)
         input_ids, positions, metadata = self.input_batch.prepare(plan.req_ids, plan.query_lens_np, plan.drafts,
                                                                   rows=plan.rows)
         if self.fault_injector is not None:

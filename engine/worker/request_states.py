@@ -1,7 +1,7 @@
 """The model runner's mirror of the scheduler's requests, updated from each step's diff.
 
 Per request: its tokens (prompt + outputs known so far), its sampling state, whether it asked for
-prompt logprobs, its row in the persistent input batch, and (with a speculator) the draft model's view
+prompt logprobs or is an embedding request (pooled, never sampled), its row in the persistent input batch, and (with a speculator) the draft model's view
 of its cache. A worker in another process sees exactly what an in-process one does: everything here
 comes from the SchedulerOutput.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.core.scheduler_output import SchedulerOutput
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sample.sampler import Sampler, SamplingState
 from pagedserve.engine.worker.input_batch import InputBatch
 
@@ -28,6 +29,8 @@ class RunnerRequestState:
     prompt_logprobs: int | None
     # Async scheduling: the token this runner sampled last, the input of a step scheduled before it landed.
     last_sampled_token_id: int | None = None
+    # An embedding request: pooled after its prefill, never sampled.
+    pooling: PoolingParams | None = None
 
 
 class RequestStates:
@@ -36,6 +39,7 @@ class RequestStates:
         self.sampler = sampler
         self.requests: dict[str, RunnerRequestState] = {}
         self.prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
+        self.pooling_reqs: set[str] = set()  # embedding requests
 
     def update(self, so: SchedulerOutput, speculator: Speculator | None) -> None:
         """Forget the finished requests, add the new ones, and apply the cached ones' new tokens
@@ -48,6 +52,7 @@ class RequestStates:
                 self.sampler.release(finished.sampling)  # frees its persistent sampling rows
             self.input_batch.remove_request(req_id)
             self.prompt_logprob_reqs.discard(req_id)
+            self.pooling_reqs.discard(req_id)
             if speculator is not None:
                 speculator.request_finished(req_id)
         for new in so.scheduled_new_reqs:
@@ -68,11 +73,14 @@ class RequestStates:
                     pending_draws=len(output_ids) if params.seed is not None and not params.greedy else 0,
                 ),
                 prompt_logprobs=params.prompt_logprobs,
+                pooling=new.pooling_params,
             )
             self.input_batch.add_request(new.req_id, self.requests[new.req_id].token_ids, new.block_ids,
                                          new.num_computed_tokens)
             if params.prompt_logprobs is not None:
                 self.prompt_logprob_reqs.add(new.req_id)
+            if new.pooling_params is not None:
+                self.pooling_reqs.add(new.req_id)
             if speculator is not None:
                 # KV a connector loads for the target was never computed by the draft: it catches up from there.
                 speculator.request_added(new.req_id, loaded_from.get(new.req_id, new.num_computed_tokens))

@@ -1,7 +1,8 @@
 """From the last pipeline stage's hidden states to the step's ModelRunnerOutput: prompt logprobs of the
-chunks that cover prompt tokens, one sampled token per sampling row (its grammar bitmask applied), the
-verified drafts of speculating requests, and the failures of requests whose own work raised (each
-fails alone; a verification that raises fails every speculating request of the step).
+chunks that cover prompt tokens, the embedding requests' pooled vectors (pooler.py), one sampled token
+per sampling row (its grammar bitmask applied), the verified drafts of speculating requests, and the
+failures of requests whose own work raised (each fails alone; a verification that raises fails every
+speculating request of the step).
 
 Every rank of the last stage computes the logits (the LM head may be tensor-parallel); only the driver
 samples and reports."""
@@ -17,6 +18,7 @@ import torch
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.failures import describe_failure
 from pagedserve.engine.sample.sampler import Sampler, compute_prompt_logprobs
+from pagedserve.engine.worker.pooler import Pooler
 from pagedserve.engine.worker.request_states import RequestStates
 from pagedserve.engine.worker.step_plan import StepPlan
 
@@ -32,10 +34,13 @@ class StepOutputs:
         self.states = states
         self.speculator = speculator
         self.is_driver = is_driver
+        self.pooler = Pooler()  # (the driver's: it alone reports)
 
     def fill(self, output: ModelRunnerOutput, so: SchedulerOutput, plan: StepPlan, hidden: torch.Tensor,
              fault_injector: Callable[[str, str], None] | None) -> None:
         output.prompt_logprobs = self._prompt_logprobs(plan, hidden, output.failed)
+        if self.is_driver:
+            self.pooler.collect(output, so, plan, hidden, self.states)
         if plan.sample_rows:
             logits = self.model.compute_logits(hidden[plan.sample_rows])
             if self.is_driver:

@@ -42,12 +42,13 @@ class StepPlan:
 
 
 def plan_step(so: SchedulerOutput, input_batch: InputBatch, requests: dict[str, RunnerRequestState],
-              speculator: Speculator | None) -> StepPlan:
+              speculator: Speculator | None, pooling_reqs: set[str] | frozenset[str] = frozenset()) -> StepPlan:
+    """`pooling_reqs`: the embedding requests, which never sample."""
     draft_start = time.perf_counter()
     drafts = propose_drafts(so, input_batch, requests, speculator)
     draft_model = speculator is not None and speculator.draft is not None
     draft_seconds = time.perf_counter() - draft_start if draft_model else 0.0
-    plan = order_step(so, input_batch, drafts)
+    plan = order_step(so, input_batch, drafts, pooling_reqs)
     plan.draft_seconds = draft_seconds
     return plan
 
@@ -71,7 +72,8 @@ def propose_drafts(so: SchedulerOutput, input_batch: InputBatch, requests: dict[
     return speculator.propose_draft_model(scheduled)
 
 
-def order_step(so: SchedulerOutput, input_batch: InputBatch, drafts: dict[str, list[int]]) -> StepPlan:
+def order_step(so: SchedulerOutput, input_batch: InputBatch, drafts: dict[str, list[int]],
+               pooling_reqs: set[str] | frozenset[str] = frozenset()) -> StepPlan:
     """Order the step decodes first (each group in schedule order) and find the rows that sample."""
     scheduled = so.num_scheduled_tokens
     rids = list(scheduled)
@@ -89,7 +91,10 @@ def order_step(so: SchedulerOutput, input_batch: InputBatch, drafts: dict[str, l
     rows = input_batch.rows_for(req_ids)
     starts = input_batch.num_computed[rows]
     last_rows = np.cumsum(lens) - 1
-    samples = np.flatnonzero(~speculating & (starts + lens == input_batch.num_tokens[rows]))
+    sampling = ~speculating & (starts + lens == input_batch.num_tokens[rows])
+    if pooling_reqs:
+        sampling &= np.fromiter((rid not in pooling_reqs for rid in req_ids), dtype=bool, count=len(req_ids))
+    samples = np.flatnonzero(sampling)
     spec = np.flatnonzero(speculating)
     return StepPlan(
         req_ids, lens.tolist(), starts.tolist(), last_rows[samples].tolist(), [req_ids[i] for i in samples.tolist()],

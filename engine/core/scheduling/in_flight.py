@@ -63,7 +63,9 @@ class InFlight:
 
     def add(self, request: Request, num_tokens: int) -> None:
         """Record a scheduled batch (call before `num_computed_tokens` moves past it)."""
-        samples = request.num_computed_tokens + num_tokens >= self.tokens_ahead(request)
+        # (an embedding request samples nothing: its last prefill chunk leaves no placeholder behind)
+        samples = (request.pooling_params is None
+                   and request.num_computed_tokens + num_tokens >= self.tokens_ahead(request))
         self._steps.setdefault(request.request_id, deque()).append((num_tokens, samples))
 
     # ------------------------------------------------------------------ results

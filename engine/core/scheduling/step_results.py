@@ -1,13 +1,13 @@
 """A returned step's results landed on its requests: the sampled token appended with the stop checks
 (a speculating request's accepted drafts and token through speculation's own landing), the grammar
-advanced, prompt logprobs cut to the chunk, and one EngineCoreOutput per request with news. Keeps the
-token counters the stats report."""
+advanced, prompt logprobs cut to the chunk, an embedding request's vector (it finishes with it), and
+one EngineCoreOutput per request with news. Keeps the token counters the stats report."""
 
 from __future__ import annotations
 
 import time
 
-from pagedserve.engine.core.request import Request
+from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.core.scheduling.in_flight import InFlight
 from pagedserve.engine.core.stop_conditions import accept_constrained, check_stop
@@ -40,6 +40,8 @@ class StepResults:
         chunk_start = request.num_computed_tokens - num_tokens - self.in_flight.num_tokens(rid)  # (later steps)
         prompt_left = max(0, request.num_prompt_tokens - chunk_start)
         self.num_prompt_tokens += min(num_tokens, prompt_left)
+        if request.pooling_params is not None:
+            return self._land_pooled(request, runner_output)
         new_token_ids: list[int] = []
         token = runner_output.sampled_token_ids.get(rid)
         error = None
@@ -72,6 +74,20 @@ class StepResults:
             # Its first tokens and its end carry the engine's timeline (prefill chunks, KV pull) out.
             timeline=(request.timeline.snapshot() if request.is_finished
                       or len(request.output_token_ids) == len(new_token_ids) else None),
+        )
+
+    @staticmethod
+    def _land_pooled(request: Request, runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+        """An embedding request: nothing to report until its last prefill chunk brings the vector; then
+        it is finished (it never decodes)."""
+        pooled = runner_output.pooled.get(request.request_id)
+        if pooled is None:
+            return None
+        request.status = RequestStatus.FINISHED_STOPPED
+        return EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=request.status.finish_reason,
+            num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
+            first_scheduled_time=request.scheduled_time, pooled=pooled,
         )
 
 
