@@ -137,6 +137,13 @@ class EngineConfig(BaseModel):
     # vLLM's name: schedule step N+1 while step N runs (the sampled token feeds the next step on the worker);
     # the in-process executor only (engine/core/scheduling/in_flight.py).
     async_scheduling: bool = False
+    # Multi-LoRA serving (vLLM's names): requests may run under PEFT LoRA adapters (engine/lora/); at most
+    # max_loras adapters are resident (and in one step) at once, of rank <= max_lora_rank; max_cpu_loras
+    # adapters (default: max_loras) stay in host memory after their first load from disk.
+    enable_lora: bool = False
+    max_loras: int = Field(default=1, ge=1)
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_cpu_loras: int | None = Field(default=None, ge=1)
 
     # Resolved from the HF config by `resolve()`; not user input.
     hf_config: Any = Field(default=None, exclude=True)
@@ -212,7 +219,15 @@ class EngineConfig(BaseModel):
             if self.kv_transfer_config is not None:
                 raise ValueError("async_scheduling: cannot run with kv_transfer_config (KV loads and holds are "
                                  "tracked per finished step)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is fewer than max_loras ({self.max_loras}); every "
+                             "resident adapter is also kept in host memory")
         return self
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept in host memory (max_cpu_loras, default max_loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def world_size(self) -> int:

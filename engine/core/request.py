@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: set[int]
     bad_words_token_ids: list[list[int]]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -78,6 +80,8 @@ class ModelRunnerOutput:
     kv_load_failed: set[str] = field(default_factory=set)
     kv_loaded_bytes: int = 0
     kv_load_seconds: float = 0.0
+    # Multi-LoRA: the driver's cumulative adapter counters (loads, evictions, disk_loads) and resident names.
+    lora_stats: dict | None = None
     # Time this step spent in the model (forward, logits, sampling), for the host-overhead share:
     # wall time on CPU, device time (CUDA events) on a GPU.
     model_seconds: float = 0.0

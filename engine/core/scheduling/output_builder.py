@@ -61,6 +61,7 @@ class SchedulerOutputBuilder:
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_ids=request.eos_token_ids,
                         bad_words_token_ids=request.bad_words_token_ids,
+                        lora_request=request.lora_request,
                     )
                 )
             else:
