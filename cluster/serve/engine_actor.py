@@ -56,6 +56,7 @@ from pagedserve.cluster.executor.ray_utils import ensure_ray, use_reserved_cpus
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.lora.request import pop_lora_request
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
@@ -173,6 +174,7 @@ class EngineActor:
         the finished one with every token (OutputKind.FINAL_ONLY: its text is decoded once, not per step).
         ValueError (bad input), EngineOverloadedError and EngineDeadError propagate."""
         try:
+            sampling_params, lora_request = pop_lora_request(sampling_params)
             params = SamplingParams(**sampling_params)
         except ValueError as exc:
             raise _plain_value_error(exc) from None
@@ -181,7 +183,8 @@ class EngineActor:
         aborted = asyncio.Event()
         self._aborts[request_id] = aborted
         stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority,
-                                      output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA)
+                                      output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA,
+                                      lora_request=lora_request)
         elide = PromptElider()
         abort_wait = asyncio.ensure_future(aborted.wait())
         next_output: asyncio.Future | None = None
@@ -235,6 +238,7 @@ class EngineActor:
         out["num_stream_outputs"] = self._num_stream_outputs
         out["kv_transfer"] = dict(stats.scheduler.kv_transfer or {})
         out["spec_decoding"] = dict(stats.scheduler.spec_decoding or {})
+        out["lora"] = dict(stats.scheduler.lora or {})
         return out
 
     async def check_health(self) -> None:

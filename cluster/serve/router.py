@@ -29,7 +29,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.cluster.serve.router_registry import register
-from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load, prefer_holders
+from pagedserve.engine.lora.request import SAMPLING_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,17 @@ def prompt_of(pending_request: PendingRequest | None) -> Sequence[int] | None:
     args, kwargs = pending_request.args, pending_request.kwargs
     ids = args[1] if len(args) > 1 else kwargs.get("prompt_token_ids")
     return ids if isinstance(ids, (list, tuple)) else None
+
+
+def adapter_of(pending_request: PendingRequest | None) -> str | None:
+    """The LoRA adapter name of an engine `generate(request_id, prompt_token_ids, sampling_params, ...)` call
+    (it rides in the sampling params, see engine.lora.request.SAMPLING_KEY), else None."""
+    if pending_request is None or pending_request.metadata.call_method != "generate":
+        return None
+    args, kwargs = pending_request.args, pending_request.kwargs
+    params = args[2] if len(args) > 2 else kwargs.get("sampling_params")
+    lora = params.get(SAMPLING_KEY) if isinstance(params, dict) else None
+    return lora.get("lora_name") if isinstance(lora, dict) else None
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -78,10 +90,16 @@ class PrefixAffinityRouter(RequestRouter):
             self._held[replica.replica_id] = cached
         return cached[1]
 
-    def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None) -> RunningReplica:
-        """The policy's choice among `replicas` for this prompt (None: load only); remembers the prefix."""
+    def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
+               adapter: str | None = None) -> RunningReplica:
+        """The policy's choice among `replicas` for this prompt (None: load only), among the replicas that hold
+        its LoRA `adapter` first (`prefer_holders`); remembers the prefix."""
         by_id = {r.replica_id: r for r in replicas}
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
+        if adapter is not None:
+            healthy = prefer_holders(healthy, self.replica_load,
+                                     lambda r: adapter in ((r.routing_stats or {}).get("lora_adapters") or ()),
+                                     self.policy.params)
         block_size = next((int(r.routing_stats["block_size"]) for r in replicas
                            if (r.routing_stats or {}).get("block_size")), None)
         hashes = self.policy.hashes(prompt, block_size) if prompt else []
@@ -108,7 +126,7 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        choice = self.choose(candidate_replicas, prompt_of(pending_request))
+        choice = self.choose(candidate_replicas, prompt_of(pending_request), adapter_of(pending_request))
         rest = sorted((r for r in candidate_replicas if r.replica_id != choice.replica_id), key=self.replica_load)
         return [[choice], rest] if rest else [[choice]]
 

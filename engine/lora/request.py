@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Where a served request's adapter rides in its sampling params dict, across the cluster's hops (the HTTP
+# layer puts it there, the engine host takes it out: `pop_lora_request`).
+SAMPLING_KEY = "lora_request"
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -31,3 +35,14 @@ class LoRARequest:
         """What enters the hash of a request's first KV block: blocks computed under one adapter are never
         a prefix-cache hit for another (or for the base model)."""
         return ("lora", self.lora_int_id)
+
+
+def pop_lora_request(sampling_params: dict) -> tuple[dict, LoRARequest | None]:
+    """The sampling params dict without its adapter, and the adapter (ValueError naming a malformed one)."""
+    raw = sampling_params.get(SAMPLING_KEY)
+    if raw is None:
+        return sampling_params, None
+    rest = {k: v for k, v in sampling_params.items() if k != SAMPLING_KEY}
+    if not isinstance(raw, dict) or set(raw) != {"lora_name", "lora_int_id", "lora_path"}:
+        raise ValueError("lora_request: expected an object with lora_name, lora_int_id and lora_path")
+    return rest, LoRARequest(**raw)
