@@ -96,3 +96,17 @@ def test_adapters_by_model_name_load_unload_and_errors(setup):
         assert 'pagedserve:lora_adapter_loads_total{model_name="tiny"} 2.0' in metrics
     free, total = server.kv_blocks_when_idle()
     assert free == total
+
+
+def test_cli_lora_flags_map_onto_serve_args(tiny_llama):
+    from pagedserve.cluster.cli import build_parser, serve_args_from
+    from pagedserve.cluster.serving.lora import parse_lora_modules
+
+    args = serve_args_from(build_parser().parse_args([
+        "serve", str(tiny_llama), "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "5",
+        "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"]))
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (True, 3, 32, 5)
+    assert parse_lora_modules(args.lora_modules) == [("sql", "/adapters/sql"), ("chat", "/adapters/chat")]
+    assert args.engine_kwargs()["max_loras"] == 3
+    with pytest.raises(ValueError, match="lora_modules: expected NAME=PATH"):
+        parse_lora_modules(["sql"])
