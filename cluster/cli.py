@@ -79,6 +79,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="embeddings: the prompt positions whose hidden states make the vector (default last)")
     parser.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction, default=None,
                         help="embeddings: L2-normalize the vectors (default on)")
+    parser.add_argument("--enable-lora", action="store_true", default=None,
+                        help="serve LoRA adapters (PEFT folders) over the base model, mixed in one batch")
+    parser.add_argument("--max-loras", type=int, help="adapters resident per engine at once (default 1)")
+    parser.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (default 16)")
+    parser.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (default --max-loras)")
     parser.add_argument("--max-logprobs", type=int, help="most logprobs a request may ask for (default 20)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int)
@@ -103,6 +108,9 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
                               help=f"read the API key from PATH (stripped); used when --api-key is not given, "
                                    f"before ${API_KEY_ENV}")
     serve_parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    serve_parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                              help="LoRA adapters served from the start (with --enable-lora); a client picks one "
+                                   "by its NAME in `model`")
     serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
     serve_parser.add_argument("--num-cpus-per-engine", type=float)
     scale = serve_parser.add_argument_group("scale-out (Serve deployments)")

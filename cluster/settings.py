@@ -94,6 +94,9 @@ class ServeArgs(EngineConfig):
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)  # hold_timeout_s, read_timeout_s, ...
     prefill_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources pinning a pool
     decode_resources: dict[str, float] = Field(default_factory=dict)
+    # Multi-LoRA (with enable_lora): adapters served from the start, NAME=PATH (PEFT folders); clients pick
+    # one by its name in `model` (cluster/serving/lora.py).
+    lora_modules: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod

@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput, SchedulerStats
 from pagedserve.engine.pooling_params import PoolingParams
@@ -99,6 +100,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         output_kind: OutputKind = OutputKind.DELTA,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (deltas by default; CUMULATIVE: each output holds everything so
         far). Bad input raises ValueError before the first output; the request is aborted if the caller
@@ -123,8 +125,8 @@ class AsyncLLM:
                 raise
         stream = _Stream(loop, asyncio.Queue())
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, sampling_params, priority, output_kind, stream, bad_words_ids),
-                            added))
+        self._commands.put(("add", (request_id, prompt, sampling_params, priority, output_kind, stream, bad_words_ids,
+                                    lora_request), added))
         finished = accepted = False
         try:
             await asyncio.wrap_future(added)  # raises the processor's ValueError, if any
@@ -249,12 +251,12 @@ class AsyncLLM:
         if kind == "stop":
             return False
         if kind == "add":
-            request_id, prompt, params, priority, output_kind, stream, bad_words_ids = payload
+            request_id, prompt, params, priority, output_kind, stream, bad_words_ids, lora_request = payload
             if not future.set_running_or_notify_cancel():
                 return True  # its caller left before the add was applied: nothing to add
             try:
                 self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=output_kind,
-                                        bad_words_ids=bad_words_ids)
+                                        bad_words_ids=bad_words_ids, lora_request=lora_request)
             except BaseException as exc:  # bad input: only this request fails
                 future.set_exception(exc)
             else:

@@ -150,6 +150,13 @@ class EngineConfig(BaseModel):
     # mean, the first), and whether vectors are L2-normalized by default (engine/pooling_params.py).
     pooling: Literal["last", "mean", "cls"] = "last"
     normalize_embeddings: bool = True
+    # Multi-LoRA serving (vLLM's names): requests may run under PEFT LoRA adapters (engine/lora/); at most
+    # max_loras adapters are resident (and in one step) at once, of rank <= max_lora_rank; max_cpu_loras
+    # adapters (default: max_loras) stay in host memory after their first load from disk.
+    enable_lora: bool = False
+    max_loras: int = Field(default=1, ge=1)
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_cpu_loras: int | None = Field(default=None, ge=1)
 
     # Resolved from the HF config by `resolve()`; not user input.
     hf_config: Any = Field(default=None, exclude=True)
@@ -240,7 +247,15 @@ class EngineConfig(BaseModel):
         if self.kv_offload_size is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload_size: the offload tier holds blocks evicted from the prefix cache; "
                              "it needs enable_prefix_caching")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is fewer than max_loras ({self.max_loras}); every "
+                             "resident adapter is also kept in host memory")
         return self
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept in host memory (max_cpu_loras, default max_loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def world_size(self) -> int:

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput, SchedulerStats
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.processor import PromptType
@@ -41,8 +42,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        `lora_request` (with enable_lora): the adapter every prompt runs under, or one per prompt (None:
+        the base model); prompts of different adapters and of the base model share batches.
 
         Bad input raises ValueError (naming the field) before anything runs. A request that fails
         while running (e.g. in its logits processing, or with its batch's forward pass) does not
@@ -62,18 +67,28 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params_list)} for {len(prompts)} prompts; give one or one per prompt"
                 )
-        return self._add_and_run(prompts, params_list, priority, use_tqdm)  # type: ignore[return-value]
+        return self._add_and_run(prompts, params_list, priority, use_tqdm, lora_request)  # type: ignore[return-value]
 
     def _add_and_run(self, prompts: list[PromptType], params_list: list[SamplingParams | PoolingParams],
-                     priority: Sequence[int] | None, use_tqdm: bool) -> list[RequestOutput | EmbeddingRequestOutput]:
+                     priority: Sequence[int] | None, use_tqdm: bool,
+                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                     ) -> list[RequestOutput | EmbeddingRequestOutput]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts; give one or one per prompt")
+
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, params, priority=priority[i] if priority is not None else 0)
+                engine.add_request(request_id, prompt, params, priority=priority[i] if priority is not None else 0,
+                                   lora_request=loras[i])
                 request_ids.append(request_id)
         except BaseException:
             engine.abort_request(request_ids)  # a bad prompt must not leave its batch-mates running

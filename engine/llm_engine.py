@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
@@ -19,6 +20,7 @@ from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.processor import Processor, PromptType
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.engine.core.request import RequestStatus
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ class LLMEngine:
         self._step_seconds = 0.0  # cumulative wall time of step() (SchedulerStats.step_seconds)
         # Embedding requests in the engine -> their prompt (text, token ids).
         self._embeddings: dict[str, tuple[str | None, list[int]]] = {}
+        self._lora_requests: Counter[str] = Counter()  # requests per adapter name (SchedulerStats.lora)
 
     def add_request(
         self,
@@ -46,14 +49,19 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         bad_words_ids: list[list[int]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (naming the field) on bad input. With
         PoolingParams it is an embedding request: one finished `EmbeddingRequestOutput` reports it.
-        `bad_words_ids`: `params.bad_words` already tokenized (else they are tokenized here)."""
+        `bad_words_ids`: `params.bad_words` already tokenized (else they are tokenized here).
+        `lora_request`: the LoRA adapter it runs under (None: the base model)."""
         if request_id in self._children or request_id in self.output_processor.states or request_id in self._embeddings:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = time.time() if arrival_time is None else arrival_time
-        text, request = self.processor.process(request_id, prompt, params, priority, arrival_time, bad_words_ids)
+        text, request = self.processor.process(request_id, prompt, params, priority, arrival_time, bad_words_ids,
+                                               lora_request)
+        if lora_request is not None:
+            self._lora_requests[lora_request.lora_name] += 1
         if isinstance(params, PoolingParams):  # an embedding: reported by this engine, not the output processor
             self.engine_core.add_request(request)
             self._embeddings[request_id] = (text, request.prompt_token_ids)
@@ -72,7 +80,7 @@ class LLMEngine:
             child_id = f"{request_id}#{index}"
             child_prompt = {"prompt_token_ids": request.prompt_token_ids, "cache_salt": request.cache_salt}
             _, child = self.processor.process(child_id, child_prompt, child_params, priority, arrival_time,
-                                              request.bad_words_token_ids)
+                                              request.bad_words_token_ids, lora_request)
             self.output_processor.add_request(
                 child_id, text, request.prompt_token_ids, child_params, arrival_time, output_kind, parent, index
             )
@@ -142,7 +150,14 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         stats = self.engine_core.get_stats()
         stats.step_seconds = self._step_seconds
+        if self.config.enable_lora:
+            stats.lora = {"loads": 0, "evictions": 0, "disk_loads": 0, "resident": [], **stats.lora,
+                          "requests": dict(self._lora_requests)}
         return stats
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """An adapter was unloaded: its id is checked again if a request names it later."""
+        self.processor.forget_lora(lora_int_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

@@ -174,6 +174,9 @@ class SchedulerStats:
     kv_offload_loaded_bytes: int = 0
     # Speculative decoding counters (engine.spec_decode.metrics.SpecDecodeStats as a dict); {} without it.
     spec_decoding: dict = field(default_factory=dict)
+    # Multi-LoRA (enable_lora): cumulative adapter loads into resident slots, evictions from them, reads
+    # from disk, requests per adapter name ({"requests": {name: n}}), and the resident adapters' names.
+    lora: dict = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -21,6 +21,8 @@ from typing import Any, Union
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.request import Request
+from pagedserve.engine.lora.adapter import check_adapter
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.kv_transfer.params import continuation_token_ids
 from pagedserve.engine.sampling_params import (
@@ -75,6 +77,29 @@ class Processor:
         self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
         self.vocab_size = config.hf_config.vocab_size
         self.eos_token_ids = eos_token_ids_of(config.model, config.hf_config, tokenizer)
+        self.adapters: dict[int, LoRARequest] = {}  # adapters checked against the base model, by id
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """A request's adapter must fit the base model and max_lora_rank (checked once per adapter id, from
+        its config and safetensors header), and one id names one adapter."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        if not self.config.enable_lora:
+            raise ValueError("lora_request: this engine was started without enable_lora")
+        known = self.adapters.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request:
+                raise ValueError(f"lora_request.lora_int_id: {lora_request.lora_int_id} already names adapter "
+                                 f"{known.lora_name!r} at {known.lora_path!r}")
+            return
+        check_adapter(lora_request.lora_path, self.config.hf_config, self.config.max_lora_rank)
+        self.adapters[lora_request.lora_int_id] = lora_request
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """An unloaded adapter's id: a later request under it is checked again."""
+        self.adapters.pop(lora_int_id, None)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -143,6 +168,7 @@ class Processor:
         priority: int = 0,
         arrival_time: float | None = None,
         bad_words_ids: list[list[int]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, Request]:
         """`bad_words_ids`: `params.bad_words` already tokenized (`bad_words_token_ids`), e.g. off the
         engine thread by `AsyncLLM`; else they are tokenized here."""
@@ -153,6 +179,7 @@ class Processor:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError("priority: set scheduling_policy='priority' to use request priorities")
         cache_salt = cache_salt_of(prompt)
+        self.check_lora(lora_request)
         text, ids = self.tokenize_prompt(prompt)
         if isinstance(params, PoolingParams):
             return text, self._pooling_request(request_id, ids, params, priority, arrival_time, cache_salt)
@@ -175,6 +202,7 @@ class Processor:
             priority=priority,
             cache_salt=cache_salt,
             bad_words_token_ids=bad_words_ids,
+            lora_request=lora_request,
         )
         for token_id in self._continuation(params, max_tokens):
             request.append_output_token(token_id)

@@ -7,6 +7,7 @@ so the CPU path never imports triton.
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import paged_decode_attention, paged_prefill_attention
 from pagedserve.kernels.cache import reshape_and_cache
+from pagedserve.kernels.lora import LoRASegments, lora_segment_matmul
 from pagedserve.kernels.norm import fused_add_rms_norm, rms_norm
 from pagedserve.kernels.quantized import gguf_embedding, gguf_linear
 from pagedserve.kernels.rotary import compute_rope_cos_sin_cache, rotary_embedding
@@ -18,6 +19,8 @@ __all__ = [
     "fused_add_rms_norm",
     "gguf_embedding",
     "gguf_linear",
+    "LoRASegments",
+    "lora_segment_matmul",
     "paged_decode_attention",
     "paged_prefill_attention",
     "reshape_and_cache",

@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "Logprob": "pagedserve.engine.outputs",
     "EngineConfig": "pagedserve.engine.config",
     "EngineArgs": "pagedserve.engine.config",
+    "LoRARequest": "pagedserve.engine.lora.request",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.config import EngineArgs, EngineConfig
     from pagedserve.engine.llm import LLM
+    from pagedserve.engine.lora.request import LoRARequest
     from pagedserve.engine.outputs import (
         CompletionOutput,
         EmbeddingOutput,

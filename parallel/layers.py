@@ -262,8 +262,12 @@ class RowParallelLinear(nn.Module):
     def _bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         _copy(param, _read(loaded), f"{type(self).__name__}.bias")
 
+    def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output, before the all-reduce and the bias (LoRA adds its partial delta here)."""
+        return _linear(x, self.weight, None, self.qtype, self.input_size_per_rank)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight, None, self.qtype, self.input_size_per_rank)
+        y = self.local_matmul(x)
         if self.reduce_results:
             y = tp_all_reduce(y, self.parallel)
         if self.bias is not None:

@@ -56,6 +56,7 @@ from pagedserve.cluster.executor.ray_utils import ensure_ray, use_reserved_cpus
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.lora.request import pop_lora_request
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.engine.pooling_params import PoolingParams
@@ -181,6 +182,7 @@ class EngineActor:
         (PoolingParams fields) it is an embedding request (`AsyncLLM.encode`): one finished
         EmbeddingRequestOutput; `sampling_params` is ignored."""
         try:
+            sampling_params, lora_request = pop_lora_request(sampling_params)
             if pooling_params is not None:
                 params: SamplingParams | PoolingParams = PoolingParams(**pooling_params)
             else:
@@ -195,7 +197,8 @@ class EngineActor:
             stream = self.engine.encode(prompt, params, request_id=request_id, priority=priority)
         else:
             stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority,
-                                          output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA)
+                                          output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA,
+                                          lora_request=lora_request)
         elide = PromptElider()
         abort_wait = asyncio.ensure_future(aborted.wait())
         next_output: asyncio.Future | None = None
@@ -249,6 +252,7 @@ class EngineActor:
         out["num_stream_outputs"] = self._num_stream_outputs
         out["kv_transfer"] = dict(stats.scheduler.kv_transfer or {})
         out["spec_decoding"] = dict(stats.scheduler.spec_decoding or {})
+        out["lora"] = dict(stats.scheduler.lora or {})
         return out
 
     async def check_health(self) -> None:

@@ -97,7 +97,8 @@ class PagedServeEngine:
         """What the request router and the ingress's /metrics see of this replica."""
         stats = await self.actor.get_stats()
         out = {key: stats[key] for key in ROUTING_STATS_KEYS if key in stats}
-        out.update(replica=self.replica, block_size=self.block_size, prefix_hashes=list(self._prefixes))
+        out.update(replica=self.replica, block_size=self.block_size, prefix_hashes=list(self._prefixes),
+                   lora_adapters=list((stats.get("lora") or {}).get("resident", ())))
         return out
 
     def _remember(self, prompt_token_ids: list[int]) -> None:

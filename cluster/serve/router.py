@@ -37,7 +37,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.circuit_breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, CircuitBreaker
 from pagedserve.cluster.serve.router_registry import register
-from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load, prefer_holders
+from pagedserve.engine.lora.request import SAMPLING_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,17 @@ def prompt_of(pending_request: PendingRequest | None) -> Sequence[int] | None:
     args, kwargs = pending_request.args, pending_request.kwargs
     ids = args[1] if len(args) > 1 else kwargs.get("prompt_token_ids")
     return ids if isinstance(ids, (list, tuple)) else None
+
+
+def adapter_of(pending_request: PendingRequest | None) -> str | None:
+    """The LoRA adapter name of an engine `generate(request_id, prompt_token_ids, sampling_params, ...)` call
+    (it rides in the sampling params, see engine.lora.request.SAMPLING_KEY), else None."""
+    if pending_request is None or pending_request.metadata.call_method != "generate":
+        return None
+    args, kwargs = pending_request.args, pending_request.kwargs
+    params = args[2] if len(args) > 2 else kwargs.get("sampling_params")
+    lora = params.get(SAMPLING_KEY) if isinstance(params, dict) else None
+    return lora.get("lora_name") if isinstance(lora, dict) else None
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -102,16 +114,23 @@ class PrefixAffinityRouter(RequestRouter):
             self._held[replica.replica_id] = cached
         return cached[1]
 
-    def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None) -> RunningReplica:
-        """The policy's choice among `replicas` for this prompt (None: load only); remembers the prefix."""
-        return self._choose(replicas, prompt)[0]
+    def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
+               adapter: str | None = None) -> RunningReplica:
+        """The policy's choice among `replicas` for this prompt (None: load only), among the replicas that hold
+        its LoRA `adapter` first (`prefer_holders`); remembers the prefix."""
+        return self._choose(replicas, prompt, adapter)[0]
 
-    def _choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None) -> tuple[RunningReplica, str]:
+    def _choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
+                adapter: str | None = None) -> tuple[RunningReplica, str]:
         by_id = {r.replica_id: r for r in replicas}
         for r in replicas:
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
         healthy = [r for r in healthy if not self.breaker.is_open(r.replica_id)] or healthy
+        if adapter is not None:
+            healthy = prefer_holders(healthy, self.replica_load,
+                                     lambda r: adapter in ((r.routing_stats or {}).get("lora_adapters") or ()),
+                                     self.policy.params)
         block_size = next((int(r.routing_stats["block_size"]) for r in replicas
                            if (r.routing_stats or {}).get("block_size")), None)
         hashes = self.policy.hashes(prompt, block_size) if prompt else []
@@ -139,10 +158,11 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         request_id = request_id_of(pending_request)
+        adapter = adapter_of(pending_request)
         if request_id is None:
-            choice = self.choose(candidate_replicas, prompt_of(pending_request))
+            choice = self.choose(candidate_replicas, prompt_of(pending_request), adapter)
         else:
-            choice, record = timed_choice(lambda: self._choose(candidate_replicas, prompt_of(pending_request)),
+            choice, record = timed_choice(lambda: self._choose(candidate_replicas, prompt_of(pending_request), adapter),
                                           candidate_replicas, self.replica_load, self._deployment_id.name,
                                           name=lambda replica: replica.replica_id.unique_id)
             self.route_log.record(request_id, record)

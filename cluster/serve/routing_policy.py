@@ -55,6 +55,20 @@ def prefix_hashes(prompt_token_ids: Sequence[int], block_size: int, max_blocks: 
     return hashes
 
 
+def prefer_holders(candidates: Sequence[K], load: Callable[[K], float], holds: Callable[[K], bool],
+                   params: RoutingParams) -> list[K]:
+    """Multi-LoRA: the candidates that already hold the request's adapter (resident, as their stats report),
+    when the least loaded of them is within the imbalance bound of the least loaded candidate overall
+    (else every candidate: an adapter loads from disk faster than an overloaded engine drains)."""
+    holders = [c for c in candidates if holds(c)]
+    if not holders or len(holders) == len(candidates):
+        return list(candidates)
+    best = min(load(c) for c in candidates)
+    if min(load(h) for h in holders) <= params.imbalance_factor * best + params.imbalance_slack:
+        return holders
+    return list(candidates)
+
+
 @dataclass
 class RoutingParams:
     """The policy's knobs (validated: a bad value is a ValueError naming the field)."""

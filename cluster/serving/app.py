@@ -9,6 +9,7 @@ from fastapi.responses import Response
 from pagedserve.cluster.serving import chat, completions, embeddings, system, tokenization
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.errors import install_error_handlers
+from pagedserve.cluster.serving.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedserve.cluster.serving.middleware import ServingMiddleware
 from pagedserve.cluster.serving.requests import ChatCompletionRequest, CompletionRequest
 from pagedserve.cluster.serving.tokenization import DetokenizeRequest, TokenizeRequest
@@ -45,6 +46,16 @@ def build_fastapi_app(serving: OpenAIServing, behind_serve_proxy: bool = False) 
     @app.get("/v1/models")
     async def models() -> dict:
         return system.list_models(serving).model_dump()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> dict:
+        lora = await serving.run_blocking(serving.lora.load, request.lora_name, request.lora_path)
+        return {"object": "lora_adapter", "id": lora.lora_name, "root": lora.lora_path, "parent": serving.model_name}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> dict:
+        serving.lora.unload(request.lora_name)
+        return {"object": "lora_adapter", "id": request.lora_name, "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:

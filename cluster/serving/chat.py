@@ -63,7 +63,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     num_top = request.top_logprobs or 0
     want_logprobs = request.logprobs
     tokenizer = serving.tokenizer
-    model_name = serving.model_name
+    model_name = serving.served_name(request.model)
 
     async def collect_response(first: tuple[int, RequestOutput], rest: AsyncIterator) -> ChatCompletionResponse:
         collected = await collect(first, rest, request.n)

@@ -35,7 +35,7 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest) 
     n = request.n
     num_logprobs = request.logprobs
     tokenizer = serving.tokenizer
-    model_name = serving.model_name
+    model_name = serving.served_name(request.model)
 
     echoed: dict[int, str] = {}
     if request.echo:

@@ -24,6 +24,7 @@ from pagedserve.cluster.engine_client import EngineClient
 from pagedserve.cluster.serving.context import current_request_id
 from pagedserve.cluster.serving.errors import APIError, bad_request, engine_error
 from pagedserve.cluster.serving.formatting import sse
+from pagedserve.cluster.serving.lora import LoRAAdapters, with_adapter
 from pagedserve.cluster.serving.requests import SamplingRequest
 from pagedserve.cluster.settings import ServeArgs
 from pagedserve.cluster.serving.streams import EncodedPrompt, RequestTimer, merge_streams, timed
@@ -49,6 +50,7 @@ class OpenAIServing:
         self.metrics = ServingMetrics(self.model_name, client.aggregate_stats, max_model_len)
         self.overhead = OverheadMetrics(self.metrics.registry, self.model_name)
         self.tracing: Tracing | None = Tracing.from_args(args)  # None: tracing off, OpenTelemetry never imported
+        self.lora = LoRAAdapters(args, self.model_name)
         self.num_in_flight = 0
         self._limiter: anyio.CapacityLimiter | None = None
 
@@ -61,10 +63,14 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- checks
 
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response names: the LoRA adapter the request picked, else the base model."""
+        lora = self.lora.resolve(model)
+        return self.model_name if lora is None else lora.lora_name
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",
-                           code="model_not_found")
+        """The base model or a LoRA adapter served by that name, else 404."""
+        self.lora.resolve(model)
 
     def check_api_key(self, authorization: str | None) -> None:
         expected = self.args.api_key_digest
@@ -250,8 +256,12 @@ class OpenAIServing:
         """Admit, start the streams, and answer as SSE (after the first output, so early errors keep
         their status code) or as one JSON body. A JSON body is built from the finished outputs alone, so
         its engines are asked for only those (`final_only`: no per-step detokenization or transport)."""
+        lora = self.lora.resolve(getattr(request, "model", None))
+        params = with_adapter(params, lora)
         slots = len(prompts) * request.n
         self.admit(slots)
+        if lora is not None:
+            self.metrics.observe_adapter_request(lora.lora_name)
         logger.info("request %s: %s%s", current_request_id(), request_id,
                     f" (user {request.user!r})" if request.user else "")
         final_only = not request.stream

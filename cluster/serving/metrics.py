@@ -155,6 +155,7 @@ class EngineStatsCollector(Collector):
         yield from self._disaggregated(stats)
         yield from self._spec_decode(stats)
         yield from self._fault_tolerance(stats)
+        yield from self._lora(per_engine)
 
     def _fault_tolerance(self, stats: dict):
         """Migrations, overload retries and the circuit breaker (when the client reports them)."""
@@ -166,6 +167,19 @@ class EngineStatsCollector(Collector):
                 family = family_type(PREFIX + name, help_text, labels=["model_name"])
                 family.add_metric([self.model_name], float(fault.get(key, 0) or 0))
                 yield family
+
+    def _lora(self, per_engine: list[dict]):
+        """Adapter loads into resident slots and evictions from them, summed over the engines (with LoRA)."""
+        figures = [e["lora"] for e in per_engine if e.get("lora")]
+        if not figures:
+            return
+        for name, key, help_text in (("lora_adapter_loads", "loads", "LoRA adapters loaded into resident slots."),
+                                     ("lora_adapter_evictions", "evictions", "LoRA adapters evicted from resident "
+                                                                            "slots (least recently used)."),
+                                     ("lora_adapter_disk_loads", "disk_loads", "LoRA adapters read from disk.")):
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], float(sum(f.get(key, 0) for f in figures)))
+            yield family
 
     def _spec_decode(self, stats: dict):
         """Speculative decoding counters (only when the engines speculate)."""
@@ -271,6 +285,8 @@ class ServingMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._errors = Counter(PREFIX + "request_errors", "Requests that failed, by HTTP status.",
                                ["model_name", "status"], registry=self.registry)
+        self._lora_requests = Counter(PREFIX + "lora_requests", "Requests by LoRA adapter name.",
+                                      ["model_name", "lora_name"], registry=self.registry)
         self.registry.register(EngineStatsCollector(model_name, stats_fn))
 
     def observe_first_token(self, seconds: float) -> None:
@@ -285,6 +301,9 @@ class ServingMetrics:
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(generation_tokens)
         self._success.labels(self.model_name, finish_reason or "unknown").inc()
+
+    def observe_adapter_request(self, lora_name: str) -> None:
+        self._lora_requests.labels(self.model_name, lora_name).inc()
 
     def observe_error(self, status: int) -> None:
         self._errors.labels(self.model_name, str(status)).inc()

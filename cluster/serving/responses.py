@@ -156,6 +156,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "pagedserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     # Which default model this is and why it is served (None for a model the operator named).
     description: str | None = None

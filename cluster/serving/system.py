@@ -14,9 +14,13 @@ CAPABILITIES = ("completions", "chat", "embeddings")
 
 
 def list_models(serving: OpenAIServing) -> ModelList:
-    return ModelList(data=[ModelCard(id=serving.model_name, root=serving.args.model,
-                                     max_model_len=serving.max_model_len, description=serving.model_description,
-                                     capabilities=list(CAPABILITIES))])
+    """The base model, then each LoRA adapter (`parent`: the base model's id, `root`: the adapter's path)."""
+    base = ModelCard(id=serving.model_name, root=serving.args.model, max_model_len=serving.max_model_len,
+                     description=serving.model_description, capabilities=list(CAPABILITIES))
+    adapters = [ModelCard(id=name, root=lora.lora_path, parent=serving.model_name, max_model_len=serving.max_model_len,
+                          capabilities=list(CAPABILITIES))
+                for name, lora in serving.lora.by_name.items()]
+    return ModelList(data=[base, *adapters])
 
 
 def health(serving: OpenAIServing) -> Response:

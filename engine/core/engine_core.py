@@ -70,6 +70,7 @@ class EngineCore:
         self._batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         # New requests whose id an earlier request still uses in a batch in flight: added once it returns.
         self._held: list[Request] = []
+        self._lora_stats: dict = {}  # the driver's last adapter counters (multi-LoRA)
 
     def _make_kv_connector(self):
         """The scheduler half of the KV connector (prefill/decode, the offload tier, or both), told where this
@@ -187,6 +188,8 @@ class EngineCore:
 
     def _update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(so, runner_output)
+        if runner_output.lora_stats is not None:
+            self._lora_stats = runner_output.lora_stats
         if runner_output.failed:
             logger.error("requests failed in this step (the rest of the batch goes on): %s", runner_output.failed)
             outputs += self._finish_with_error(runner_output.failed)
@@ -271,7 +274,9 @@ class EngineCore:
         return outputs
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.lora = dict(self._lora_stats)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -1,8 +1,8 @@
 """The KV cache manager: which blocks each request owns, prefix-cache lookups, and hit stats.
 
 The scheduler talks to this class only. A request (duck-typed) provides `request_id`,
-`all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`, `num_preemptions` and
-`skip_reading_prefix_cache`.
+`all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`, `num_preemptions`,
+`skip_reading_prefix_cache` and optionally `lora_request`.
 
 Per request the manager keeps its block list, the hashes of its full blocks (extended
 incrementally as tokens arrive, never recomputed) and how many of its blocks are
@@ -22,6 +22,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagedserve.engine.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+
+
+def _first_block_extra(request: KVRequest) -> tuple | None:
+    """What a request's first block hash mixes in beside its tokens: its cache salt, and the LoRA adapter it
+    runs under (KV computed under one adapter is never a hit for another, nor for the base model)."""
+    salt = request.cache_salt
+    lora = getattr(request, "lora_request", None)
+    extra = (() if salt is None else (salt,)) + (() if lora is None else lora.cache_key)
+    return extra or None
 
 
 class KVRequest(Protocol):
@@ -109,11 +118,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         num_full = len(tokens) // bs
         if len(hashes) < num_full:
-            salt = request.cache_salt
+            first_extra = _first_block_extra(request)
             for i in range(len(hashes), num_full):
                 parent = hashes[-1] if hashes else None
-                # The salt enters the first block; the chain carries it to all later ones.
-                extra = (salt,) if (i == 0 and salt is not None) else None
+                # The salt and the adapter enter the first block; the chain carries them to all later ones.
+                extra = first_extra if i == 0 else None
                 hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
         return hashes
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.request_timeline import RequestTimeline
 from pagedserve.engine.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class Request:
     # An embedding request (resolved: its pooling type set): prefill only, it finishes with its pooled
     # vector and samples nothing (its sampling_params are a placeholder).
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

@@ -53,6 +53,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.enable_chunked_prefill = config.enable_chunked_prefill
+        # Multi-LoRA: at most this many distinct adapters among the running requests (the resident slots).
+        self.max_loras = config.max_loras if config.enable_lora else None
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # (the same list for the whole run: parts hold it)
@@ -167,9 +169,14 @@ class Scheduler:
             self.slots.fit_running(request, num_new, num_drafts, step)
 
     def _schedule_waiting(self, step: StepBudget, now: float) -> None:
-        """Waiting requests in the policy's order while budget, sequences and KV slots last."""
+        """Waiting requests in the policy's order while budget, sequences, KV slots and adapter slots last."""
+        adapters = self._running_adapters()
         while len(self.waiting) and not step.exhausted and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            lora = request.lora_request
+            if lora is not None and adapters is not None and lora.lora_int_id not in adapters:
+                if len(adapters) >= self.max_loras:
+                    break  # its adapter needs a slot that running requests hold: it waits for one to finish
             cached_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_external = self.kv_transfer.num_external_tokens(request, num_cached)
             num_new = step.prompt_chunk(request.num_tokens - num_cached - num_external)
@@ -181,6 +188,8 @@ class Scheduler:
             if fit is Fit.NOT_NOW:
                 break
             self.waiting.pop()
+            if lora is not None and adapters is not None:
+                adapters.add(lora.lora_int_id)
             request.num_computed_tokens = num_cached  # (where its loads start)
             self.kv_transfer.allocated(request, num_external)
             request.num_computed_tokens = num_cached + num_external
@@ -191,6 +200,12 @@ class Scheduler:
                 request.scheduled_time = now
             self.running.append(request)
             step.add(request, num_new)
+
+    def _running_adapters(self) -> set[int] | None:
+        """The adapter ids the running requests hold slots for (None without LoRA)."""
+        if self.max_loras is None:
+            return None
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     # ------------------------------------------------------------------ results
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class NewRequestData:
     bad_words_token_ids: list[list[int]]
     # An embedding request: the runner pools its prompt's hidden states instead of sampling.
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -81,6 +83,8 @@ class ModelRunnerOutput:
     kv_load_failed: set[str] = field(default_factory=set)
     kv_loaded_bytes: int = 0
     kv_load_seconds: float = 0.0
+    # Multi-LoRA: the driver's cumulative adapter counters (loads, evictions, disk_loads) and resident names.
+    lora_stats: dict | None = None
     # Time this step spent in the model (forward, logits, sampling), for the host-overhead share:
     # wall time on CPU, device time (CUDA events) on a GPU.
     model_seconds: float = 0.0

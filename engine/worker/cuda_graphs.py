@@ -223,6 +223,7 @@ class CUDAGraphRunner:
             and (device.type == "cuda" or replay_eagerly)
             and config.pipeline_parallel_size == 1
             and config.kv_transfer_config is None
+            and not config.enable_lora  # a step's adapter slots are set in Python before each forward pass
             and bool(kv_caches)
         )
         self.sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes) if self.enabled else []

@@ -83,6 +83,7 @@ class ModelRunner:
         self.speculator = None  # speculative decoding (worker.speculator.Speculator), made with the model
         self.graphs: CUDAGraphRunner | None = None  # decode-only CUDA graphs (off on CPU / enforce_eager)
         self.outputs: StepOutputs | None = None  # the last stage's sampling and verification (made with the model)
+        self.lora = None  # multi-LoRA: the resident slots and host cache (engine.lora.manager.LoRAManager)
 
     @property
     def requests(self) -> dict[str, RunnerRequestState]:
@@ -98,6 +99,11 @@ class ModelRunner:
             self.config.model, self.hf_config, self.dtype, self.parallel, device=self.device,
             max_position=self.config.max_model_len, quantization=self.config.quantization,
         )
+        if self.config.enable_lora:
+            from pagedserve.engine.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, self.config.max_loras, self.config.max_lora_rank,
+                                    self.config.cpu_loras, self.device, self.dtype)
         spec = self.config.speculative
         if spec is not None:
             from pagedserve.engine.worker.speculator import Speculator
@@ -163,6 +169,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Returns the sampled tokens on the driver rank, None on the others."""
         self.states.update(so, self.speculator)
+        if self.lora is not None:
+            self.lora.update(so)
         kv_md = so.kv_connector_metadata
         if self.kv_hooks is not None and kv_md is not None:
             self.kv_hooks.start_load_kv(kv_md)  # releases go out now; loads run beside the forward pass
@@ -171,6 +179,8 @@ class ModelRunner:
         plan = plan_step(so, self.input_batch, self.states.requests, self.speculator, self.states.pooling_reqs)
         input_ids, positions, metadata = self.input_batch.prepare(plan.req_ids, plan.query_lens_np, plan.drafts,
                                                                   rows=plan.rows)
+        if self.lora is not None:
+            self.lora.prepare(plan.req_ids, plan.query_lens_np)
         if self.fault_injector is not None:
             for rid in plan.req_ids:
                 self.fault_injector("forward", rid)
@@ -186,6 +196,8 @@ class ModelRunner:
         self.outputs.fill(output, so, plan, hidden, self.fault_injector)
         if self.is_driver:  # (only the driver reports; on CUDA reading the timer waits for the device)
             output.model_seconds = timer.seconds() + plan.draft_seconds
+            if self.lora is not None:
+                output.lora_stats = self.lora.stats()
         return output if self.is_driver else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,

@@ -62,6 +62,7 @@ class SchedulerOutputBuilder:
                         eos_token_ids=request.eos_token_ids,
                         bad_words_token_ids=request.bad_words_token_ids,
                         pooling_params=request.pooling_params,
+                        lora_request=request.lora_request,
                     )
                 )
             else:
