@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.engine.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from pagedserve.engine.core.block_pool import BlockHash, BlockPool, CacheEventSink, KVCacheBlock, extend_block_hashes
 
 
 class KVRequest(Protocol):
@@ -63,12 +63,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events: CacheEventSink | None = None) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -105,16 +106,9 @@ class KVCacheManager:
         hashes = self.req_to_block_hashes.get(request.request_id)
         if hashes is None:
             hashes = self.req_to_block_hashes[request.request_id] = []
-        bs = self.block_size
-        tokens = request.all_token_ids
-        num_full = len(tokens) // bs
-        if len(hashes) < num_full:
-            salt = request.cache_salt
-            for i in range(len(hashes), num_full):
-                parent = hashes[-1] if hashes else None
-                # The salt enters the first block; the chain carries it to all later ones.
-                extra = (salt,) if (i == 0 and salt is not None) else None
-                hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+        if len(hashes) < len(request.all_token_ids) // self.block_size:
+            # The salt enters the first block; the chain carries it to all later ones.
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
         return hashes
 
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
