@@ -81,6 +81,9 @@ class ServeEngineClient:
             async for output in response:
                 output = restore(output)
                 finished = output.finished
+                if finished:  # the router's predicted cached tokens, checked against the engine's
+                    for router in self._routers():
+                        router.observe_cached(request_id, output.num_cached_tokens)
                 yield output
                 if finished:
                     return
@@ -109,8 +112,15 @@ class ServeEngineClient:
         """Replicas (deduplicated over this process's routers) and summed routing decisions."""
         replicas: dict[str, dict] = {}
         decisions = dict.fromkeys(DECISIONS, 0)
+        kv_routing: dict[str, Any] = {"stale_engines": 0}
         for router in self._routers():
             snap = router.snapshot()
+            for section in ("kv_index", "predictions"):
+                for key, value in snap[section].items():
+                    if key == "stale_engines":  # the same engines, seen by each router
+                        kv_routing[key] = max(kv_routing[key], value)
+                    elif isinstance(value, int):
+                        kv_routing[key] = kv_routing.get(key, 0) + value
             for replica in snap["replicas"]:
                 seen = replicas.get(replica["replica"])
                 if seen is None:
@@ -120,7 +130,7 @@ class ServeEngineClient:
                     seen["num_routed"] += replica["num_routed"]
             for key, value in snap["decisions"].items():
                 decisions[key] = decisions.get(key, 0) + value
-        return {"replicas": list(replicas.values()), "decisions": decisions}
+        return {"replicas": list(replicas.values()), "decisions": decisions, "kv_routing": kv_routing}
 
     def aggregate_stats(self) -> dict[str, Any]:
         """The coordinator's `aggregate_stats()` shape, over the engine replicas' routing stats."""
@@ -137,6 +147,7 @@ class ServeEngineClient:
         if spec is not None:
             out["spec_decoding"] = spec
         out["routing_decisions"] = snap["decisions"]
+        out["kv_routing"] = snap["kv_routing"]
         out["engines"] = [{**r, "engine_index": r["replica"]} for r in snap["replicas"]]
         return out
 

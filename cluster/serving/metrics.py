@@ -214,6 +214,38 @@ class EngineStatsCollector(Collector):
             for decision, count in sorted(decisions.items()):
                 family.add_metric([self.model_name, decision], float(count))
             yield family
+        kv = stats.get("kv_routing")
+        if kv is not None:
+            yield from self._kv_routing(kv)
+
+    def _kv_routing(self, kv: dict):
+        """Exact routing: the KV index's health and the routers' predicted vs actual cached tokens."""
+        labels = ["model_name"]
+        stale = GaugeMetricFamily(PREFIX + "kv_index_stale_engines", "Engines whose KV view is stale in this "
+                                  "process's router (routed approximately until they resync).", labels=labels)
+        stale.add_metric([self.model_name], float(kv.get("stale_engines", 0)))
+        yield stale
+        for name, key, help_text in _KV_INDEX_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=labels)
+            family.add_metric([self.model_name], float(kv.get(key, 0)))
+            yield family
+        checks = CounterMetricFamily(PREFIX + "routing_cached_token_predictions", "Requests whose predicted "
+                                     "cached tokens were checked against the engine's, by outcome.",
+                                     labels=["model_name", "outcome"])
+        checked, matched = int(kv.get("checked", 0)), int(kv.get("matched", 0))
+        checks.add_metric([self.model_name, "match"], float(matched))
+        checks.add_metric([self.model_name, "mismatch"], float(checked - matched))
+        yield checks
+
+
+_KV_INDEX_COUNTERS = (
+    ("kv_index_resyncs", "resyncs", "KV views rebuilt from a snapshot."),
+    ("kv_index_gaps", "gaps", "Gaps in an engine's KV event sequence numbers (a missed report)."),
+    ("kv_index_restarts", "restarts", "Engines seen with a new incarnation (restarted)."),
+    ("kv_index_stale_spells", "stale_spells", "Times an engine's KV view went stale."),
+    ("routing_predicted_cached_tokens", "predicted_tokens", "Cached prompt tokens the router predicted."),
+    ("routing_actual_cached_tokens", "actual_tokens", "Cached prompt tokens the engines found (predicted requests)."),
+)
 
 
 class ServingMetrics:
