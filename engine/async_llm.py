@@ -162,6 +162,10 @@ class AsyncLLM:
         """The engine's KV event batches after `seq` (None: no longer all retained; take a snapshot)."""
         return self.engine.engine_core.kv_events.since(seq)
 
+    def kv_sizes(self) -> tuple[int, dict[str, int]]:
+        """(seq, hashes each KV tier held right after batch seq): what a consumer's view must hold."""
+        return self.engine.engine_core.kv_events.sizes()
+
     async def kv_snapshot(self) -> KVSnapshot:
         """Every hash the engine's KV tiers hold and the sequence number it is current to, taken on the
         engine thread between two steps (so that it agrees with the event batches around it)."""

@@ -8,7 +8,7 @@ import asyncio
 import random
 
 from pagedserve.cluster.serve.kv_feed import KVEventFeed, key_of
-from pagedserve.cluster.serve.kv_index import GAP, RESTARTED, SILENT, ClusterKVIndex
+from pagedserve.cluster.serve.kv_index import DIVERGED, GAP, RESTARTED, SILENT, ClusterKVIndex
 from pagedserve.cluster.serve.routing_policy import (
     EXACT_HIT, MISS, OFFLOAD_HIT, STALE_FALLBACK, Holding, RoutingPolicy,
 )
@@ -35,6 +35,9 @@ class FakeEngine:
 
     async def kv_snapshot(self):
         return self.log.snapshot()
+
+    def kv_sizes(self):
+        return self.log.sizes()
 
     def serve(self, tokens: list[int], salt: str | None = None) -> None:
         """One request's prefill, then its end (its blocks stay cached until evicted), as one step."""
@@ -119,11 +122,26 @@ def test_a_silent_replica_goes_stale_and_comes_back():
     assert index.views["r"].tiers[DEVICE] == engine.keys()
 
 
+def test_a_view_that_drifted_from_its_engine_is_caught_and_resynced():
+    engine = FakeEngine()
+    feed = KVEventFeed(engine, "inc", snapshot_every=1000)
+    index = ClusterKVIndex()
+    engine.serve(list(range(12)))
+    assert index.update("r", report(feed), 0.0).fresh
+    index.views["r"].tiers[DEVICE].pop()  # an event this view lost (a bug, a corrupted report)
+    engine.serve(list(range(20, 32)))
+    view = index.update("r", report(feed), 1.0)
+    assert view.stale == DIVERGED and index.counters.divergences == 1
+    feed.snapshot_every = 1
+    assert index.update("r", report(feed), 2.0).fresh and view.tiers[DEVICE] == engine.keys()
+
+
 def test_offload_tier_holdings_extend_the_device_prefix():
     index = ClusterKVIndex()
     keys = [key_of(h) for h in prompt_block_hashes(list(range(40)), BS)]
     log = KVEventLog()
-    feed = KVEventFeed(type("E", (), {"kv_events_since": lambda s, q: log.since(q)})(), "i", snapshot_every=1000)
+    engine = type("E", (), {"kv_events_since": lambda s, q: log.since(q), "kv_sizes": lambda s: log.sizes()})()
+    feed = KVEventFeed(engine, "i", snapshot_every=1000)
     log.stored(prompt_block_hashes(list(range(40)), BS)[0], None)
     log.record(KVEvent(OFFLOADED, tuple(prompt_block_hashes(list(range(40)), BS)[1:5]), tier=OFFLOAD))
     log.seal()

@@ -16,7 +16,8 @@ batches that the previous report's readers had not all seen.
 A report (`report()`, under "kv_events" in the routing stats):
     {"incarnation": str, "report": n, "seq": last batch number, "from_seq": s,
      "batches": [(seq, [(kind, tier, keys), ...]), ...],   # every batch after s up to seq, in order
-     "snapshot": None | {"seq": s2, "tiers": {tier: keys}}}
+     "snapshot": None | {"seq": s2, "tiers": {tier: keys}},
+     "sizes": {"seq": s3, "tiers": {tier: number of hashes held right after batch s3}}}
 `keys` are the block hashes' first KEY_BYTES bytes, concatenated (a prefix hash collision could only
 mispredict a hit; the engine itself matches full hashes).
 """
@@ -93,8 +94,10 @@ class KVEventFeed:
                 batches = self.engine.kv_events_since(from_seq) or []
         seq = batches[-1].seq if batches else max(from_seq, snapshot["seq"] if snapshot else 0)
         self._report_seqs.append(seq)
+        sizes_seq, sizes = self.engine.kv_sizes()
         return {"incarnation": self.incarnation, "report": self.num_reports, "seq": seq, "from_seq": from_seq,
-                "batches": [encode_batch(b) for b in batches], "snapshot": snapshot}
+                "batches": [encode_batch(b) for b in batches], "snapshot": snapshot,
+                "sizes": {"seq": sizes_seq, "tiers": sizes}}
 
     def _bounded(self, batches: list[KVEventBatch], from_seq: int) -> tuple[list[KVEventBatch], int]:
         """The newest batches within max_window_hashes (from_seq moves up past the ones left out)."""

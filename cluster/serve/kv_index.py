@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 NEVER_SYNCED = "never_synced"
 GAP = "gap"
 RESTARTED = "restarted"
+DIVERGED = "diverged"  # its hash counts differ from the replica's own (a lost or misread event)
 SILENT = "silent"
 NO_EVENTS = "no_events"
 
@@ -43,6 +44,7 @@ class ReplicaView:
     report: int = -1  # the last report applied (one report is seen many times)
     last_report_time: float = 0.0
     tiers: dict[str, set[bytes]] = field(default_factory=dict)
+    engine_sizes: dict[str, int] = field(default_factory=dict)  # what the replica last said it holds
     synced: bool = False  # `tiers` is the replica's state as of `seq` (every batch up to it applied)
     stale: str | None = NEVER_SYNCED  # None: fresh
 
@@ -56,6 +58,7 @@ class IndexCounters:
     gaps: int = 0
     restarts: int = 0
     resyncs: int = 0  # views rebuilt from a snapshot
+    divergences: int = 0  # views found to hold other counts than their replica
     stale_spells: int = 0  # a view went from fresh to stale
 
 
@@ -107,6 +110,8 @@ class ClusterKVIndex:
             return view
         view.report = report.get("report", -1)
         view.last_report_time = now
+        sizes = report.get("sizes") or {}
+        view.engine_sizes = dict(sizes.get("tiers") or {})
         from_seq = int(report.get("from_seq", 0))
         batches = report.get("batches") or ()
         if not view.synced and from_seq == 0:
@@ -114,7 +119,7 @@ class ClusterKVIndex:
         if view.seq >= from_seq and (view.synced or from_seq == 0):
             # In sequence (or the incarnation's whole history is in the report).
             self._apply(view, batches)
-            self._fresh(replica, view)
+            self._fresh(replica, view, sizes)
             return view
         snapshot = report.get("snapshot")
         if snapshot is not None:
@@ -122,7 +127,7 @@ class ClusterKVIndex:
             view.seq = int(snapshot["seq"])
             self._apply(view, batches)
             self.counters.resyncs += 1
-            self._fresh(replica, view)
+            self._fresh(replica, view, sizes)
             return view
         if view.synced:
             self.counters.gaps += 1
@@ -175,7 +180,14 @@ class ClusterKVIndex:
                 apply_event(view.tiers, KVEvent(kind, tuple(split_keys(keys)), None, tier))
             view.seq = seq
 
-    def _fresh(self, replica: Hashable, view: ReplicaView) -> None:
+    def _fresh(self, replica: Hashable, view: ReplicaView, sizes: Mapping | None = None) -> None:
+        if sizes and sizes.get("seq") == view.seq:
+            held = {tier: len(h) for tier, h in view.tiers.items() if h}
+            if held != {tier: n for tier, n in (sizes.get("tiers") or {}).items() if n}:
+                self.counters.divergences += 1
+                view.synced = False
+                self._stale(replica, view, DIVERGED)
+                return
         view.synced = True
         if view.stale is not None and view.stale != NEVER_SYNCED:
             logger.info("KV index: replica %s is in sync again (seq %d); exact routing resumes for it",
@@ -194,7 +206,8 @@ class ClusterKVIndex:
 
 class RecentRoutes:
     """Where this router just sent each prefix key (bounded, with times): the index learns of the blocks
-    a request stores only with the replica's next report, one stats period later."""
+    a request stores only with the replica's next report, up to one stats period later; until then the
+    route stands in for them."""
 
     def __init__(self, ttl_s: float, max_entries: int = 65536) -> None:
         self.ttl_s = ttl_s
@@ -208,11 +221,13 @@ class RecentRoutes:
         while len(self._routes) > self.max_entries:
             self._routes.popitem(last=False)
 
-    def held_blocks(self, replica: Hashable, keys: Sequence[bytes], now: float) -> int:
+    def held_blocks(self, replica: Hashable, keys: Sequence[bytes], now: float, since: float) -> int:
+        """Leading keys sent to `replica` after `since` (the replica's latest report: from then on its
+        report, which knows of evictions too, is the better word) and within the TTL."""
         n = 0
         while n < len(keys):
             route = self._routes.get(keys[n])
-            if route is None or route[0] != replica or now - route[1] > self.ttl_s:
+            if route is None or route[0] != replica or route[1] <= since or now - route[1] > self.ttl_s:
                 break
             n += 1
         return n

@@ -164,7 +164,7 @@ class PrefixAffinityRouter(RequestRouter):
             view = self.index.views.get(rid)
             if view is not None and view.fresh:
                 device, held = self.index.held_blocks(rid, keys)
-                device = max(device, self.recent.held_blocks(rid, keys, now))
+                device = max(device, self.recent.held_blocks(rid, keys, now, view.last_report_time))
                 return Holding(device * block_size, (max(held, device) - device) * block_size)
             reported = self._holds(by_id[rid])
             n = next((j + 1 for j in range(len(approx) - 1, -1, -1)
@@ -250,7 +250,8 @@ class PrefixAffinityRouter(RequestRouter):
                 **{k: v for k, v in stats.items() if k not in ("prefix_hashes", "kv_events")},
                 "num_prefixes": len(stats.get("prefix_hashes") or ()),
                 "kv_view": None if view is None else {"stale": view.stale, "seq": view.seq,
-                                                      "blocks": {t: len(h) for t, h in view.tiers.items()}},
+                                                      "blocks": {t: len(h) for t, h in view.tiers.items()},
+                                                      "engine_blocks": dict(view.engine_sizes)},
                 "replica": replica.replica_id.unique_id,
                 "in_flight": self.in_flight.get(replica.replica_id, 0),
                 "num_routed": self.num_routed.get(replica.replica_id, 0),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pagedserve.engine.core.block_pool import BlockHash
@@ -111,7 +111,10 @@ class KVEventLog:
         self._batches: deque[tuple[KVEventBatch, int]] = deque()  # (batch, its number of hashes)
         self._retained = 0
         self._lock = threading.Lock()
-        self._sources: dict[str, Callable[[], Iterable[BlockHash]]] = {}
+        self._sources: dict[str, Callable[[], Collection[BlockHash]]] = {}
+        # How many hashes each tier held when batch `seq` was sealed: a consumer that applied every batch up to
+        # it must hold as many (a cheap check that its view has not drifted).
+        self._sizes: tuple[int, dict[str, int]] = (0, {})
 
     # ---- recording (the block pool: engine thread) ---------------------------------------
 
@@ -129,8 +132,9 @@ class KVEventLog:
         with self._lock:
             self._other.append(event)
 
-    def add_snapshot_source(self, tier: str, holdings: Callable[[], Iterable[BlockHash]]) -> None:
-        """`holdings()` lists the tier's hashes; it is called on the engine thread, between steps."""
+    def add_snapshot_source(self, tier: str, holdings: Callable[[], Collection[BlockHash]]) -> None:
+        """`holdings()` gives the tier's hashes; it is called on the engine thread, between steps (its len()
+        at every sealed batch: keep it O(1))."""
         if tier not in TIERS:
             raise ValueError(f"tier: must be one of {TIERS}, got {tier!r}")
         self._sources[tier] = holdings
@@ -148,6 +152,7 @@ class KVEventLog:
             self._other = []
             self.seq += 1
             batch = KVEventBatch(self.seq, tuple(events))
+            self._sizes = (self.seq, {tier: len(source()) for tier, source in self._sources.items()})
             size = sum(max(1, len(e.block_hashes)) for e in events)
             self._batches.append((batch, size))
             self._retained += size
@@ -164,6 +169,11 @@ class KVEventLog:
             if not self._batches or self._batches[0][0].seq > seq + 1:
                 return None
             return [batch for batch, _ in self._batches if batch.seq > seq]
+
+    def sizes(self) -> tuple[int, dict[str, int]]:
+        """(seq, hashes held per tier right after batch seq was sealed) (thread-safe)."""
+        with self._lock:
+            return self._sizes
 
     def snapshot(self) -> KVSnapshot:
         """Seal what is pending, then every tier's hashes as of the last batch (engine thread)."""
