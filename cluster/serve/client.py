@@ -147,7 +147,8 @@ class ServeEngineClient:
         if spec is not None:
             out["spec_decoding"] = spec
         out["routing_decisions"] = snap["decisions"]
-        out["kv_routing"] = snap["kv_routing"]
+        if "kv_routing" in snap:
+            out["kv_routing"] = snap["kv_routing"]
         out["engines"] = [{**r, "engine_index": r["replica"]} for r in snap["replicas"]]
         return out
 
