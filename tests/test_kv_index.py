@@ -217,3 +217,25 @@ def test_a_stale_replica_is_routed_approximately_and_counted():
     assert router.index.views[replicas[0].replica_id].fresh and router.index.counters.resyncs == 1
     assert router.choose(replicas, prefix + [6], None, "s2") is replicas[0]
     assert router.policy.decisions[EXACT_HIT] == 1
+
+
+def test_metrics_show_decisions_staleness_predictions_and_views():
+    from pagedserve.cluster.serving.metrics import ServingMetrics
+    from tests.test_serve_scaleout import metric_samples
+
+    stats = {"routing_decisions": {EXACT_HIT: 7, STALE_FALLBACK: 1},
+             "kv_routing": {"stale_engines": 1, "resyncs": 2, "gaps": 1, "restarts": 0, "stale_spells": 1,
+                            "divergences": 0, "checked": 10, "matched": 9, "predicted_tokens": 80,
+                            "actual_tokens": 72},
+             "engines": [{"engine_index": "r0", "kv_view": {"stale": None, "seq": 3, "blocks": {DEVICE: 5},
+                                                             "engine_blocks": {DEVICE: 5}}}]}
+    text = ServingMetrics("m", lambda: stats, max_model_len=64).render()[0].decode()
+    assert metric_samples(text, "pagedserve:routing_cached_token_predictions_total") == {
+        '{model_name="m",outcome="match"}': 9.0, '{model_name="m",outcome="mismatch"}': 1.0}
+    assert metric_samples(text, "pagedserve:kv_index_stale_engines") == {'{model_name="m"}': 1.0}
+    assert metric_samples(text, "pagedserve:kv_index_resyncs_total") == {'{model_name="m"}': 2.0}
+    assert metric_samples(text, "pagedserve:routing_actual_cached_tokens_total") == {'{model_name="m"}': 72.0}
+    view = '{engine_index="r0",model_name="m",tier="device"}'
+    assert metric_samples(text, "pagedserve:engine_kv_index_blocks") == {view: 5.0}
+    assert metric_samples(text, "pagedserve:engine_kv_cached_blocks") == {view: 5.0}
+    assert 'decision="stale_fallback"' in text

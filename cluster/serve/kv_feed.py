@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 KEY_BYTES = 8
 WINDOW_REPORTS = 8
 SNAPSHOT_EVERY = 10
-MAX_WINDOW_HASHES = 200_000
+MAX_WINDOW_HASHES = 50_000  # x KEY_BYTES: a report stays well under a megabyte
 
 
 def key_of(block_hash: BlockHash) -> bytes:
