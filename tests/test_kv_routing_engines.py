@@ -47,6 +47,9 @@ async def _serve(router, replicas, engines, rid: str, prompt: list[int], salt: s
 
 
 def test_exact_routing_predicts_what_the_engines_find_and_the_index_matches_their_pools(tiny_llama):
+    """Waves of two concurrent requests of two tenants, the routing stats refreshed between waves. (Two
+    requests of one tenant at once would race: whichever its engine schedules first computes the prefix
+    the router predicted the other to find.)"""
     engines = [_engine(tiny_llama), _engine(tiny_llama)]
     router, replicas = make_router(2)
     rng = random.Random(5)
@@ -57,8 +60,7 @@ def test_exact_routing_predicts_what_the_engines_find_and_the_index_matches_thei
         await _refresh(replicas, engines)
         for wave in range(30):
             batch = []
-            for j in range(2):
-                prefix, salt = tenants[rng.randrange(len(tenants))]
+            for j, (prefix, salt) in enumerate(rng.sample(tenants, 2)):  # (two tenants: see the docstring)
                 prompt = prefix + [rng.randrange(20, 400) for _ in range(rng.randrange(2, 9))]
                 batch.append(_serve(router, replicas, engines, f"w{wave}-{j}", prompt, salt))
             results += await asyncio.gather(*batch)
