@@ -164,6 +164,11 @@ def test_choose_by_holdings_kinds_and_the_load_bound():
     held["c"] = Holding()
     choice, kind = pick()
     assert kind == MISS and choice in ("a", "c")
+    # The holder is scored on its own holding even when the two-choice winner comes later in the list.
+    loads.update(a=1.0, b=0.0, c=0.0)
+    held.update(a=Holding(16, 0), b=Holding(), c=Holding())
+    for _ in range(20):
+        assert pick() == ("a", EXACT_HIT)
 
 
 def _replicas_from(router, replicas, feeds):

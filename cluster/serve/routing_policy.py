@@ -146,9 +146,10 @@ class RoutingPolicy(Generic[K]):
         winner = first if load(first) <= load(second) else second
         bound = self.params.imbalance_factor * load(winner) + self.params.imbalance_slack
         weight = self.params.offload_weight
-        best, best_key, best_holding = winner, None, holding(winner)
+        winner_holding = holding(winner)
+        best, best_key, best_holding = winner, None, winner_holding
         for key in candidates:
-            held = best_holding if key == winner else holding(key)
+            held = winner_holding if key == winner else holding(key)
             score = held.device_tokens + weight * held.offload_tokens
             if score <= 0 or load(key) > bound:
                 continue
