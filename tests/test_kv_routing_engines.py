@@ -122,3 +122,33 @@ def test_exact_routing_predicts_what_the_engines_find_and_the_index_matches_thei
     finally:
         for engine in engines:
             engine.actor.shutdown()
+
+
+def test_concurrent_requests_are_predicted_too(tiny_llama):
+    """Waves of two requests at once (one tenant twice at times), the stats refreshed between waves: the
+    router counts its own routes of the wave as held (RecentRoutes) until the next report."""
+    engines = [_engine(tiny_llama), _engine(tiny_llama)]
+    router, replicas = make_router(2)
+    rng = random.Random(5)
+    tenants = [([rng.randrange(20, 400) for _ in range(6 * BLOCK)], f"t{i}" if i % 2 else None) for i in range(10)]
+
+    async def workload() -> list[tuple[int, int]]:
+        results: list[tuple[int, int]] = []
+        await _refresh(replicas, engines)
+        for wave in range(30):
+            batch = []
+            for j in range(2):
+                prefix, salt = tenants[rng.randrange(len(tenants))]
+                prompt = prefix + [rng.randrange(20, 400) for _ in range(rng.randrange(2, 9))]
+                batch.append(_serve(router, replicas, engines, f"w{wave}-{j}", prompt, salt))
+            results += await asyncio.gather(*batch)
+            await _refresh(replicas, engines)
+        return results
+
+    try:
+        results = asyncio.run(workload())
+        assert sum(p == f for p, f in results) >= 0.95 * len(results), results
+        assert router.policy.decisions[EXACT_HIT] >= len(results) // 3
+    finally:
+        for engine in engines:
+            engine.actor.shutdown()
