@@ -44,12 +44,17 @@ def http(tiny_model_factory):
         ray.shutdown()
 
 
-def wait_in_sync(http: httpx.Client, deadline_s: float = 90.0) -> str:
-    """Until both engines are idle with every block free, and the router's index holds, per engine and tier,
-    as many blocks as the engine reported in the same routing stats."""
+def wait_in_sync(http: httpx.Client, generated: float = 0.0, deadline_s: float = 90.0) -> str:
+    """Until the engines' routing stats count `generated` tokens (so they were taken after the last
+    request finished), both engines are idle with every block free, and the router's index holds, per
+    engine and tier, as many blocks as the engine reported in those stats."""
     end = time.monotonic() + deadline_s
     while True:
         text = http.get("/metrics").text
+        if metric(text, "pagedserve:generation_tokens_total") < generated:
+            assert time.monotonic() < end, "the engines' routing stats never showed the last request"
+            time.sleep(0.1)
+            continue
         free = metric_samples(text, "pagedserve:engine_kv_cache_free_blocks")
         total = metric_samples(text, "pagedserve:engine_kv_cache_total_blocks")
         busy = metric(text, "pagedserve:engine_num_requests_running") + metric(
@@ -75,9 +80,11 @@ def test_requests_land_where_their_prefix_is_and_the_engines_find_what_the_route
     # may reach their engine in either order, and the first one's new blocks can evict the least recently
     # used prefix, the very one the second came back for (routers predict from the reports; see README).
     text = wait_in_sync(http)
+    generated = metric(text, "pagedserve:generation_tokens_total")
     for _ in range(40):
         complete(*tenants[rng.randrange(10)])
-        text = wait_in_sync(http)
+        generated += 3
+        text = wait_in_sync(http, generated)
     checks = metric_samples(text, "pagedserve:routing_cached_token_predictions_total")
     matched = sum(v for k, v in checks.items() if 'outcome="match"' in k)
     checked = sum(checks.values())
