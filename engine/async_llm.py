@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.kv_events import KVEventBatch, KVSnapshot
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.output_processor import OutputKind
@@ -190,6 +191,22 @@ class AsyncLLM:
         if request_ids:
             self._commands.put(("abort", list(request_ids), None))
 
+    def kv_events_since(self, seq: int) -> list[KVEventBatch] | None:
+        """The engine's KV event batches after `seq` (None: no longer all retained; take a snapshot)."""
+        return self.engine.engine_core.kv_events.since(seq)
+
+    def kv_sizes(self) -> tuple[int, dict[str, int]]:
+        """(seq, hashes each KV tier held right after batch seq): what a consumer's view must hold."""
+        return self.engine.engine_core.kv_events.sizes()
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """Every hash the engine's KV tiers hold and the sequence number it is current to, taken on the
+        engine thread between two steps (so that it agrees with the event batches around it)."""
+        self._raise_if_dead()
+        taken: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("kv_snapshot", None, taken))
+        return await asyncio.wrap_future(taken)
+
     def get_stats(self) -> AsyncEngineStats:
         return AsyncEngineStats(
             scheduler=self._stats,
@@ -250,6 +267,9 @@ class AsyncLLM:
         self._flush_aborts()  # an abort sent before an add is applied before it
         if kind == "stop":
             return False
+        if kind == "kv_snapshot":
+            future.set_result(self.engine.engine_core.kv_events.snapshot())
+            return True
         if kind == "add":
             request_id, prompt, params, priority, output_kind, stream, bad_words_ids, lora_request = payload
             if not future.set_running_or_notify_cancel():
@@ -313,5 +333,5 @@ class AsyncLLM:
                 kind, _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add" and future is not None and not future.done():
+            if future is not None and not future.done():  # an add or a snapshot
                 future.set_exception(error)

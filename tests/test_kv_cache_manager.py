@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-import pagedserve.engine.core.kv_cache_manager as kvm
+import pagedserve.engine.core.block_pool as block_pool
 from pagedserve.engine.core.block_pool import BlockHash, hash_block_tokens
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 
@@ -263,7 +263,7 @@ def test_request_that_skips_reading_the_cache_gets_no_hit_and_is_no_query():
 
 def test_block_hashes_are_incremental():
     calls = 0
-    real = kvm.hash_block_tokens
+    real = block_pool.hash_block_tokens
 
     def counting(*args, **kwargs):
         nonlocal calls
@@ -273,7 +273,7 @@ def test_block_hashes_are_incremental():
     m = KVCacheManager(32, BS)
     r = Req("a", list(range(5)), cache_salt="s")
     mp = pytest.MonkeyPatch()
-    mp.setattr(kvm, "hash_block_tokens", counting)
+    mp.setattr(block_pool, "hash_block_tokens", counting)  # (the chain is extended there)
     try:
         schedule_prefill(m, r)
         for t in range(40):

@@ -308,3 +308,26 @@ def test_a_decode_engine_runs_the_tier_beside_its_prefill_decode_connector(tiny_
         check_all_blocks(consumer)
     finally:
         producer.shutdown()
+
+
+def test_the_tier_reports_its_blocks_in_the_engines_kv_events(tiny_llama, tier_llms):
+    """What the tier gains and drops joins the engine's KV events (which routers index), and a snapshot
+    carries the tier's holdings: replaying the events gives the snapshot's offload tier."""
+    from pagedserve.engine.core.kv_events import OFFLOAD, apply_event
+
+    rng = random.Random(5)
+    llm = tier_llms(tiny_llama)
+    log = llm.llm_engine.engine_core.kv_events
+    start = log.seq
+    prefix = _tokens(rng, PREFIX)
+    _run(llm, [prefix + _tokens(rng, 5)])
+    _evict_all(llm, rng)
+    snapshot = log.snapshot()
+    offloaded = set(snapshot.tiers.get(OFFLOAD, ()))
+    assert set(_hashes(prefix)) <= offloaded
+    holdings: dict = {}
+    for batch in log.since(start):
+        for event in batch.events:
+            apply_event(holdings, event)
+    assert holdings.get(OFFLOAD, set()) == offloaded
+    check_all_blocks(llm)

@@ -187,7 +187,7 @@ def test_shared_prefix_lands_on_one_replica(http):
         response = http.get("/metrics")
         decisions = metric_samples(response.text, "pagedserve:routing_decisions_total")
         affine[response.headers["x-pagedserve-ingress"]] = sum(
-            value for labels, value in decisions.items() if "prefix_affine" in labels)
+            value for labels, value in decisions.items() if "prefix_affine" in labels or "exact_hit" in labels)
     assert sum(affine.values()) >= 6
 
 

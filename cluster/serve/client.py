@@ -90,6 +90,8 @@ class ServeEngineClient:
                 finished = output.finished
                 if finished:
                     ok = output.error is None
+                    for router in self._routers():  # the router's predicted cached tokens, checked against the engine's
+                        router.observe_cached(request_id, getattr(output, "num_cached_tokens", 0) or 0)
                 yield output
                 if finished:
                     return
@@ -132,9 +134,16 @@ class ServeEngineClient:
         replicas: dict[str, dict] = {}
         decisions = dict.fromkeys(DECISIONS, 0)
         circuit_opens = 0
+        kv_routing: dict[str, Any] = {"stale_engines": 0}
         for router in self._routers():
             snap = router.snapshot()
             circuit_opens += snap.get("circuit_opens", 0)
+            for section in ("kv_index", "predictions"):
+                for key, value in snap.get(section, {}).items():
+                    if key == "stale_engines":  # the same engines, seen by each router
+                        kv_routing[key] = max(kv_routing[key], value)
+                    elif isinstance(value, int):
+                        kv_routing[key] = kv_routing.get(key, 0) + value
             for replica in snap["replicas"]:
                 seen = replicas.get(replica["replica"])
                 if seen is None:
@@ -145,7 +154,8 @@ class ServeEngineClient:
                     seen["circuit_open"] = seen.get("circuit_open") or replica.get("circuit_open")
             for key, value in snap["decisions"].items():
                 decisions[key] = decisions.get(key, 0) + value
-        return {"replicas": list(replicas.values()), "decisions": decisions, "circuit_opens": circuit_opens}
+        return {"replicas": list(replicas.values()), "decisions": decisions, "circuit_opens": circuit_opens,
+                "kv_routing": kv_routing}
 
     def aggregate_stats(self) -> dict[str, Any]:
         """The coordinator's `aggregate_stats()` shape, over the engine replicas' routing stats."""
@@ -164,6 +174,8 @@ class ServeEngineClient:
         out["routing_decisions"] = snap["decisions"]
         out["fault_tolerance"] = {"circuit_opens": snap.get("circuit_opens", 0),
                                   "circuit_open_engines": sum(bool(r.get("circuit_open")) for r in snap["replicas"])}
+        if "kv_routing" in snap:
+            out["kv_routing"] = snap["kv_routing"]
         out["engines"] = [{**r, "engine_index": r["replica"]} for r in snap["replicas"]]
         return out
 

@@ -9,9 +9,9 @@ actors: the worker group schedules them into it (`ray_executor`), so Serve place
 replaces the whole group together.
 
 The replica receives token ids and streams DELTA `RequestOutput`s (the prompt only in the first,
-`stream_transport`); detokenization stays in the engine's output processor. It reports its load and
-the prompt prefixes it served as routing stats (`record_routing_stats`), which the request router
-(`serve_router`) and the ingress's /metrics read.
+`stream_transport`); detokenization stays in the engine's output processor. It reports its load, the
+prompt prefixes it served and its engine's KV events (`kv_feed`) as routing stats
+(`record_routing_stats`), which the request router (`router`) and the ingress's /metrics read.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pagedserve.cluster.fleet_stats import ENGINE_FIGURES
 from pagedserve.cluster.serve.engine_actor import EngineActor
 from pagedserve.cluster.executor.placement import with_engine_kv_share
 from pagedserve.cluster.executor.ray_utils import assigned_cpus
+from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes
 from pagedserve.cluster.serve.router import short_hash
 from pagedserve.engine.outputs import RequestOutput
@@ -61,6 +62,7 @@ class PagedServeEngine:
                                  stall_timeout_s=stall_timeout_s)
         self.block_size = self.actor.engine.config.block_size
         self._prefixes: OrderedDict[str, None] = OrderedDict()
+        self.kv_feed = KVEventFeed(self.actor.engine, self.actor.incarnation)
         logger.info("engine replica %s ready: %d KV blocks", self.replica, self.actor.num_kv_blocks)
 
     async def ready(self) -> dict:
@@ -75,7 +77,7 @@ class PagedServeEngine:
         stream (the caller's handle response was cancelled, e.g. its client went away) aborts the request
         and frees its blocks. `cache_salt` goes into the engine prompt (its prefix-cache hashes).
         `pooling_params`: an embedding request (EngineActor.generate)."""
-        self._remember(prompt_token_ids)
+        self._remember(prompt_token_ids, cache_salt)
         prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
@@ -98,11 +100,12 @@ class PagedServeEngine:
         stats = await self.actor.get_stats()
         out = {key: stats[key] for key in ROUTING_STATS_KEYS if key in stats}
         out.update(replica=self.replica, block_size=self.block_size, prefix_hashes=list(self._prefixes),
-                   lora_adapters=list((stats.get("lora") or {}).get("resident", ())))
+                   lora_adapters=list((stats.get("lora") or {}).get("resident", ())),
+                   kv_events=await self.kv_feed.report())
         return out
 
-    def _remember(self, prompt_token_ids: list[int]) -> None:
-        for block_hash in prefix_hashes(prompt_token_ids, self.block_size, REPORTED_PREFIX_BLOCKS):
+    def _remember(self, prompt_token_ids: list[int], cache_salt: str | None) -> None:
+        for block_hash in prefix_hashes(prompt_token_ids, self.block_size, REPORTED_PREFIX_BLOCKS, cache_salt):
             key = short_hash(block_hash)
             self._prefixes[key] = None
             self._prefixes.move_to_end(key)

@@ -21,6 +21,14 @@ requests in a row out of the choice until its cooldown has passed and its routin
 healthy again; the engine client reports each request's outcome by Serve's internal request id
 (`record_outcome`), which `on_request_routed` maps to the replica.
 
+Exact routing (`exact_routing`, on by default): where the replicas publish their KV events with their
+routing stats (kv_feed.py), the router keeps its own index of what each replica's KV tiers hold
+(kv_index.ClusterKVIndex) and scores each candidate by the prompt tokens it holds, device first, then
+offload, against its load (routing_policy.choose_by_holdings); a replica whose view is stale is scored
+approximately (what it reported serving). It predicts the request's cached tokens and checks the
+prediction against what the engine found (`observe_cached`, from the engine client). Replicas that
+publish no events at all are routed by the approximate policy alone, as before.
+
 Every router instance in a process registers itself (`router_registry`), so that the ingress can build
 /metrics from the replicas' routing stats and the routing decisions without an RPC.
 """
@@ -28,16 +36,22 @@ Every router instance in a process registers itself (`router_registry`), so that
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.circuit_breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, CircuitBreaker
+from pagedserve.cluster.serve.kv_feed import key_of
+from pagedserve.cluster.serve.kv_index import ClusterKVIndex, PredictionCounters, RecentRoutes
+from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.router_registry import register
-from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load, prefer_holders
+from pagedserve.cluster.serve.routing_policy import (
+    Holding, RoutingParams, RoutingPolicy, engine_load, prefer_holders, prefix_hashes,
+)
 from pagedserve.engine.lora.request import SAMPLING_KEY
 
 logger = logging.getLogger(__name__)
@@ -52,6 +66,9 @@ def request_id_of(pending_request: PendingRequest | None) -> str | None:
         return None
     rid = pending_request.args[0] if pending_request.args else pending_request.kwargs.get("request_id")
     return rid if isinstance(rid, str) else None
+
+
+MAX_PREDICTIONS = 16384  # predictions awaiting the engine's answer (the oldest are dropped)
 
 
 def prompt_of(pending_request: PendingRequest | None) -> Sequence[int] | None:
@@ -74,6 +91,16 @@ def adapter_of(pending_request: PendingRequest | None) -> str | None:
     return lora.get("lora_name") if isinstance(lora, dict) else None
 
 
+def request_of(pending_request: PendingRequest | None) -> tuple[str | None, str | None]:
+    """(request_id, cache_salt) of an engine `generate(request_id, prompt_token_ids, ..., cache_salt=)`."""
+    if pending_request is None or pending_request.metadata.call_method != "generate":
+        return None, None
+    args, kwargs = pending_request.args, pending_request.kwargs
+    request_id = args[0] if args else kwargs.get("request_id")
+    salt = kwargs.get("cache_salt", args[5] if len(args) > 5 else None)
+    return (request_id if isinstance(request_id, str) else None), (salt if isinstance(salt, str) else None)
+
+
 class PrefixAffinityRouter(RequestRouter):
     """Power of two choices by load with bounded prefix affinity, over Serve's engine replicas."""
 
@@ -87,9 +114,19 @@ class PrefixAffinityRouter(RequestRouter):
         imbalance_slack: float = 2.0,
         failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
         breaker_cooldown_s: float = DEFAULT_COOLDOWN_S,
+        exact_routing: bool = True,
+        offload_weight: float = 0.5,
+        silent_after_s: float = 10.0,
+        recent_routes_s: float = 5.0,
     ) -> None:
         self.policy: RoutingPolicy[ReplicaID] = RoutingPolicy(
-            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack), seed=seed)
+            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack,
+                          offload_weight), seed=seed)
+        self.exact_routing = exact_routing
+        self.index = ClusterKVIndex(silent_after_s)
+        self.recent = RecentRoutes(recent_routes_s)
+        self.predictions: OrderedDict[str, int] = OrderedDict()  # request id -> predicted cached tokens
+        self.prediction_counters = PredictionCounters()
         self.in_flight: dict[ReplicaID, int] = {}
         self.num_routed: dict[ReplicaID, int] = {}
         self._held: dict[ReplicaID, tuple[int, frozenset[str]]] = {}  # replica -> (id(stats list), hashes)
@@ -115,13 +152,15 @@ class PrefixAffinityRouter(RequestRouter):
         return cached[1]
 
     def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
-               adapter: str | None = None) -> RunningReplica:
+               adapter: str | None = None, cache_salt: str | None = None,
+               request_id: str | None = None) -> RunningReplica:
         """The policy's choice among `replicas` for this prompt (None: load only), among the replicas that hold
         its LoRA `adapter` first (`prefer_holders`); remembers the prefix."""
-        return self._choose(replicas, prompt, adapter)[0]
+        return self._choose(replicas, prompt, adapter, cache_salt, request_id)[0]
 
     def _choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
-                adapter: str | None = None) -> tuple[RunningReplica, str]:
+                adapter: str | None = None, cache_salt: str | None = None,
+                request_id: str | None = None) -> tuple[RunningReplica, str]:
         by_id = {r.replica_id: r for r in replicas}
         for r in replicas:
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
@@ -133,7 +172,12 @@ class PrefixAffinityRouter(RequestRouter):
                                      self.policy.params)
         block_size = next((int(r.routing_stats["block_size"]) for r in replicas
                            if (r.routing_stats or {}).get("block_size")), None)
-        hashes = self.policy.hashes(prompt, block_size) if prompt else []
+        if (self.exact_routing and prompt and block_size
+                and any("kv_events" in (r.routing_stats or {}) for r in healthy)):
+            choice, decision = self._choose_exact(healthy, prompt, block_size, cache_salt, request_id)
+            return by_id[choice], decision
+        hashes = prefix_hashes(prompt, block_size, self.policy.params.affinity_blocks, cache_salt) \
+            if prompt and block_size else []
 
         def holder(block_hash: bytes) -> ReplicaID | None:
             short = short_hash(block_hash)
@@ -142,29 +186,81 @@ class PrefixAffinityRouter(RequestRouter):
 
         choice, decision = self.policy.choose([r.replica_id for r in healthy],
                                               lambda rid: self.replica_load(by_id[rid]), hashes, holder)
+        self._count_in_ray(decision)
+        if hashes:
+            self.policy.remember(hashes, choice)
+        return by_id[choice], decision
+
+    def _count_in_ray(self, decision: str) -> None:
         if self._ray_counter is not None:
             try:
                 self._ray_counter.inc(1.0, tags={"decision": decision, "deployment": self._deployment_id.name,
                                                  "application": self._deployment_id.app_name})
             except Exception:  # noqa: BLE001 - metrics are optional; routing is not
                 self._ray_counter = None
-        if hashes:
-            self.policy.remember(hashes, choice)
-        return by_id[choice], decision
+
+    def _choose_exact(self, healthy: Sequence[RunningReplica], prompt: Sequence[int], block_size: int,
+                      cache_salt: str | None, request_id: str | None) -> tuple[ReplicaID, str]:
+        now = time.monotonic()
+        for replica in healthy:
+            self.index.update(replica.replica_id, (replica.routing_stats or {}).get("kv_events"), now)
+        # Only blocks the engine can hit: its hit stops short of the prompt's last token.
+        hashes = prefix_hashes(prompt, block_size, (len(prompt) - 1) // block_size, cache_salt)
+        keys = [key_of(h) for h in hashes]
+        approx = hashes[:self.policy.params.affinity_blocks]
+        by_id = {r.replica_id: r for r in healthy}
+
+        def holding(rid: ReplicaID) -> Holding:
+            view = self.index.views.get(rid)
+            if view is not None and view.fresh:
+                device, held = self.index.held_blocks(rid, keys)
+                device = max(device, self.recent.held_blocks(rid, keys, now, view.last_report_time))
+                return Holding(device * block_size, (max(held, device) - device) * block_size)
+            reported = self._holds(by_id[rid])
+            n = next((j + 1 for j in range(len(approx) - 1, -1, -1)
+                      if short_hash(approx[j]) in reported or self.policy.remembered(approx[j]) == rid), 0)
+            return Holding(n * block_size, 0, stale=True)
+
+        choice, decision, held = self.policy.choose_by_holdings(
+            list(by_id), lambda rid: self.replica_load(by_id[rid]), holding)
+        self._count_in_ray(decision)
+        self.recent.remember(keys, choice, now)
+        self.policy.remember(approx, choice)
+        if request_id is not None:
+            self.predictions[request_id] = held.device_tokens + held.offload_tokens
+            while len(self.predictions) > MAX_PREDICTIONS:
+                self.predictions.popitem(last=False)
+        return choice, decision
+
+    def _sync_index(self, replicas: Sequence[RunningReplica]) -> None:
+        """Apply the KV reports in the replicas' latest routing stats to this router's index."""
+        now = time.monotonic()
+        for replica in replicas:
+            report = (replica.routing_stats or {}).get("kv_events")
+            if report is not None:
+                self.index.update(replica.replica_id, report, now)
+
+    def observe_cached(self, request_id: str, num_cached_tokens: int) -> None:
+        """What the engine really found for a request this router predicted (the engine client calls it)."""
+        predicted = self.predictions.pop(request_id, None)
+        if predicted is not None:
+            self.prediction_counters.observe(predicted, num_cached_tokens)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        request_id = request_id_of(pending_request)
+        request_id, cache_salt = request_of(pending_request)
         adapter = adapter_of(pending_request)
+        prompt = prompt_of(pending_request)
         if request_id is None:
-            choice = self.choose(candidate_replicas, prompt_of(pending_request), adapter)
+            choice = self.choose(candidate_replicas, prompt, adapter, cache_salt)
         else:
-            choice, record = timed_choice(lambda: self._choose(candidate_replicas, prompt_of(pending_request), adapter),
-                                          candidate_replicas, self.replica_load, self._deployment_id.name,
-                                          name=lambda replica: replica.replica_id.unique_id)
+            choice, record = timed_choice(
+                lambda: self._choose(candidate_replicas, prompt, adapter, cache_salt, request_id),
+                candidate_replicas, self.replica_load, self._deployment_id.name,
+                name=lambda replica: replica.replica_id.unique_id)
             self.route_log.record(request_id, record)
         rest = sorted((r for r in candidate_replicas if r.replica_id != choice.replica_id), key=self.replica_load)
         return [[choice], rest] if rest else [[choice]]
@@ -199,6 +295,8 @@ class PrefixAffinityRouter(RequestRouter):
         self.policy.forget(replica_id)
         self._held.pop(replica_id, None)
         self.breaker.forget(replica_id)
+        self.index.forget(replica_id)
+        self.recent.forget(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -207,6 +305,11 @@ class PrefixAffinityRouter(RequestRouter):
             self._held.pop(gone, None)
             self.policy.forget(gone)
             self.breaker.forget(gone)
+        for gone in [rid for rid in self.index.views if rid not in live]:
+            self.index.forget(gone)
+            self.recent.forget(gone)
+        if self.exact_routing:  # every broadcast of the stats: fewer reports missed, fewer resyncs
+            self._sync_index(replicas)
         for table in (self.in_flight, self.num_routed):
             for gone in [rid for rid in table if rid not in live]:
                 table.pop(gone, None)
@@ -218,15 +321,22 @@ class PrefixAffinityRouter(RequestRouter):
         replicas = []
         for replica in self._replicas_list:
             stats: Mapping = replica.routing_stats or {}
+            view = self.index.views.get(replica.replica_id)
             replicas.append({
-                **{k: v for k, v in stats.items() if k != "prefix_hashes"},
+                **{k: v for k, v in stats.items() if k not in ("prefix_hashes", "kv_events")},
                 "num_prefixes": len(stats.get("prefix_hashes") or ()),
+                "kv_view": None if view is None else {"stale": view.stale, "seq": view.seq,
+                                                      "blocks": {t: len(h) for t, h in view.tiers.items()},
+                                                      "engine_blocks": dict(view.engine_sizes)},
                 "replica": replica.replica_id.unique_id,
                 "in_flight": self.in_flight.get(replica.replica_id, 0),
                 "num_routed": self.num_routed.get(replica.replica_id, 0),
                 "circuit_open": self.breaker.is_open(replica.replica_id),
             })
-        return {"replicas": replicas, "decisions": dict(self.policy.decisions), "circuit_opens": self.breaker.num_opens}
+        kv_index = {**asdict(self.index.counters), "stale_engines": self.index.num_stale(),
+                    "blocks": self.index.num_keys()}
+        return {"replicas": replicas, "decisions": dict(self.policy.decisions), "circuit_opens": self.breaker.num_opens,
+                "kv_index": kv_index, "predictions": asdict(self.prediction_counters)}
 
 
 def _ray_decision_counter() -> Any:

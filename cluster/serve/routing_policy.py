@@ -10,6 +10,13 @@ the request that just finished there.
 
 The policy is generic over candidate keys (an engine index, a Serve replica id): callers give the
 candidates, a load function and a lookup hash -> holder, and get back the choice and why it was made.
+
+Exact routing (`choose_by_holdings`) replaces the affinity guess where a router knows what each engine's
+KV tiers hold (kv_index.py): a candidate's score is the prompt tokens it holds, the device's longest
+prefix plus `offload_weight` times the tokens that continue it in an offload tier (a reload is cheaper
+than a prefill, dearer than a hit); the highest score wins among the candidates whose load is within the
+imbalance bound of the two-choice winner, ties to the less loaded. A candidate whose view is stale is
+scored by the approximate signals (what it reported serving, where this router sent prefixes).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from pagedserve.engine.core.block_pool import BlockHash, hash_block_tokens
+from pagedserve.engine.core.block_pool import BlockHash, prompt_block_hashes
 
 K = TypeVar("K", bound=Hashable)
 
@@ -29,7 +36,21 @@ SINGLE = "single"  # one candidate only
 AFFINE = "prefix_affine"  # the holder of the longest known prefix, within the imbalance bound
 FALLBACK = "prefix_fallback"  # a prefix holder existed but was too loaded: the two-choice winner instead
 BALANCED = "balanced"  # no known prefix: the less loaded of two random candidates
-DECISIONS = (SINGLE, AFFINE, FALLBACK, BALANCED)
+# Exact routing's kinds.
+EXACT_HIT = "exact_hit"  # the choice holds a prefix of the prompt on its device
+OFFLOAD_HIT = "offload_hit"  # ... part of it only in an offload tier
+MISS = "miss"  # no candidate within the bound holds any of it: the two-choice winner
+STALE_FALLBACK = "stale_fallback"  # the choice's view was stale: scored approximately
+DECISIONS = (SINGLE, AFFINE, FALLBACK, BALANCED, EXACT_HIT, OFFLOAD_HIT, MISS, STALE_FALLBACK)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a candidate holds of a prompt, in tokens: on the device, then only in an offload tier."""
+
+    device_tokens: int = 0
+    offload_tokens: int = 0
+    stale: bool = False
 
 
 def engine_load(in_flight: float, stats: Mapping | None, kv_weight: float) -> float:
@@ -44,15 +65,11 @@ def engine_load(in_flight: float, stats: Mapping | None, kv_weight: float) -> fl
     return max(in_flight, engine_count) + kv_weight * stats.get("kv_cache_usage", 0.0)
 
 
-def prefix_hashes(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[BlockHash]:
-    """Chained hashes of the prompt's first `max_blocks` full blocks (the j-th covers blocks 0..j)."""
-    num_blocks = min(max_blocks, len(prompt_token_ids) // block_size)
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for b in range(num_blocks):
-        parent = hash_block_tokens(parent, prompt_token_ids[b * block_size:(b + 1) * block_size])
-        hashes.append(parent)
-    return hashes
+def prefix_hashes(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int | None,
+                  cache_salt: str | None = None) -> list[BlockHash]:
+    """Chained hashes of the prompt's first `max_blocks` full blocks (the j-th covers blocks 0..j), as
+    the engine's prefix cache computes them (salted by `cache_salt`)."""
+    return prompt_block_hashes(prompt_token_ids, block_size, cache_salt, max_blocks)
 
 
 def prefer_holders(candidates: Sequence[K], load: Callable[[K], float], holds: Callable[[K], bool],
@@ -78,8 +95,11 @@ class RoutingParams:
     kv_weight: float = 4.0
     max_affinity_entries: int = 65536
     imbalance_slack: float = 2.0
+    offload_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0 <= self.offload_weight <= 1:
+            raise ValueError(f"offload_weight: must be in [0, 1], got {self.offload_weight}")
         if self.imbalance_slack < 0:
             raise ValueError(f"imbalance_slack: must be >= 0, got {self.imbalance_slack}")
         if self.affinity_blocks < 0:
@@ -128,12 +148,46 @@ class RoutingPolicy(Generic[K]):
             return self._count(affine, AFFINE)
         return self._count(choice, FALLBACK)
 
+    def choose_by_holdings(self, candidates: Sequence[K], load: Callable[[K], float],
+                           holding: Callable[[K], Holding]) -> tuple[K, str, Holding]:
+        """(choice, decision, what the choice holds): exact routing (see the module docstring)."""
+        if not candidates:
+            raise ValueError("candidates: need at least one")
+        if len(candidates) == 1:
+            only = candidates[0]
+            return (*self._count(only, SINGLE), holding(only))
+        first, second = self._rng.sample(list(candidates), 2)
+        winner = first if load(first) <= load(second) else second
+        bound = self.params.imbalance_factor * load(winner) + self.params.imbalance_slack
+        weight = self.params.offload_weight
+        winner_holding = holding(winner)
+        best, best_key, best_holding = winner, None, winner_holding
+        for key in candidates:
+            held = winner_holding if key == winner else holding(key)
+            score = held.device_tokens + weight * held.offload_tokens
+            if score <= 0 or load(key) > bound:
+                continue
+            rank = (score, -load(key))
+            if best_key is None or rank > best_key:
+                best, best_key, best_holding = key, rank, held
+        if best_holding.stale:
+            decision = STALE_FALLBACK
+        elif best_key is None:
+            decision = MISS
+        else:
+            decision = OFFLOAD_HIT if best_holding.offload_tokens else EXACT_HIT
+        return (*self._count(best, decision), best_holding)
+
     def remember(self, hashes: Sequence[BlockHash], key: K) -> None:
         for block_hash in hashes:
             self._affinity[block_hash] = key
             self._affinity.move_to_end(block_hash)
         while len(self._affinity) > self.params.max_affinity_entries:
             self._affinity.popitem(last=False)
+
+    def remembered(self, block_hash: BlockHash) -> K | None:
+        """Where this policy last sent the prefix ending in this block (None: not remembered)."""
+        return self._affinity.get(block_hash)
 
     def forget(self, key: K) -> None:
         """Drop what was remembered about a candidate that went away."""

@@ -151,6 +151,7 @@ class EngineStatsCollector(Collector):
             healthy.add_metric([self.model_name, index], 1.0 if engine_stats.get("healthy", True) else 0.0)
         yield healthy
         yield from self._per_engine(per_engine)
+        yield from self._kv_views(per_engine)
         yield from self._routing(stats)
         yield from self._disaggregated(stats)
         yield from self._spec_decode(stats)
@@ -256,11 +257,62 @@ class EngineStatsCollector(Collector):
         decisions = stats.get("routing_decisions")
         if decisions is not None:
             family = CounterMetricFamily(PREFIX + "routing_decisions", "Routing decisions of this process's "
-                                         "router, by kind (prefix_affine, prefix_fallback, balanced, single).",
+                                         "router, by kind (exact routing: exact_hit, offload_hit, miss, stale_fallback; "
+                                         "approximate: prefix_affine, prefix_fallback, balanced; single).",
                                          labels=["model_name", "decision"])
             for decision, count in sorted(decisions.items()):
                 family.add_metric([self.model_name, decision], float(count))
             yield family
+        kv = stats.get("kv_routing")
+        if kv is not None:
+            yield from self._kv_routing(kv)
+
+    def _kv_views(self, per_engine: list[dict]):
+        """Per engine and tier: the prefix blocks the router's KV index holds for it, and the blocks the
+        engine says it holds (equal while the view is in sync and the engine idle)."""
+        views = [(str(e.get("engine_index", i)), e["kv_view"]) for i, e in enumerate(per_engine) if e.get("kv_view")]
+        if not views:
+            return
+        labels = ["model_name", "engine_index", "tier"]
+        for name, key, help_text in (("engine_kv_index_blocks", "blocks", "Prefix blocks the router's KV index "
+                                      "holds for the engine, by tier."),
+                                     ("engine_kv_cached_blocks", "engine_blocks", "Prefix blocks the engine "
+                                      "reported holding, by tier.")):
+            family = GaugeMetricFamily(PREFIX + name, help_text, labels=labels)
+            for index, view in views:
+                for tier, count in sorted((view.get(key) or {}).items()):
+                    family.add_metric([self.model_name, index, tier], float(count))
+            yield family
+
+    def _kv_routing(self, kv: dict):
+        """Exact routing: the KV index's health and the routers' predicted vs actual cached tokens."""
+        labels = ["model_name"]
+        stale = GaugeMetricFamily(PREFIX + "kv_index_stale_engines", "Engines whose KV view is stale in this "
+                                  "process's router (routed approximately until they resync).", labels=labels)
+        stale.add_metric([self.model_name], float(kv.get("stale_engines", 0)))
+        yield stale
+        for name, key, help_text in _KV_INDEX_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=labels)
+            family.add_metric([self.model_name], float(kv.get(key, 0)))
+            yield family
+        checks = CounterMetricFamily(PREFIX + "routing_cached_token_predictions", "Requests whose predicted "
+                                     "cached tokens were checked against the engine's, by outcome.",
+                                     labels=["model_name", "outcome"])
+        checked, matched = int(kv.get("checked", 0)), int(kv.get("matched", 0))
+        checks.add_metric([self.model_name, "match"], float(matched))
+        checks.add_metric([self.model_name, "mismatch"], float(checked - matched))
+        yield checks
+
+
+_KV_INDEX_COUNTERS = (
+    ("kv_index_resyncs", "resyncs", "KV views rebuilt from a snapshot."),
+    ("kv_index_gaps", "gaps", "Gaps in an engine's KV event sequence numbers (a missed report)."),
+    ("kv_index_restarts", "restarts", "Engines seen with a new incarnation (restarted)."),
+    ("kv_index_stale_spells", "stale_spells", "Times an engine's KV view went stale."),
+    ("kv_index_divergences", "divergences", "KV views found to hold other counts than their engine (resynced)."),
+    ("routing_predicted_cached_tokens", "predicted_tokens", "Cached prompt tokens the router predicted."),
+    ("routing_actual_cached_tokens", "actual_tokens", "Cached prompt tokens the engines found (predicted requests)."),
+)
 
 
 class ServingMetrics:

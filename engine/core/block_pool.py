@@ -20,6 +20,7 @@ import struct
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 BlockHash = bytes
 """A 32-byte SHA-256 digest identifying a full block's contents and its whole prefix."""
@@ -58,6 +59,45 @@ def hash_block_tokens(
     if extra_keys:
         h.update(b"".join(_encode_extra_key(k) for k in extra_keys))
     return h.digest()
+
+
+def first_block_extra_keys(cache_salt: str | None, lora_key: tuple = ()) -> tuple[ExtraKey, ...] | None:
+    """The extra keys hashed into a request's first block (the chain carries them to every later one): its
+    cache salt and the LoRA adapter it runs under (`LoRARequest.cache_key`: KV computed under one adapter is
+    never a hit for another, nor for the base model). The one place that decides them, for the engine and
+    for routers alike."""
+    extra = (() if cache_salt is None else (cache_salt,)) + tuple(lora_key)
+    return extra or None
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+                        cache_salt: str | None, max_blocks: int | None = None,
+                        lora_key: tuple = ()) -> list[BlockHash]:
+    """Extend `hashes` (a request's chain so far) to cover its full blocks (at most `max_blocks`)."""
+    num_full = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_full = min(num_full, max_blocks)
+    for i in range(len(hashes), num_full):
+        parent = hashes[-1] if hashes else None
+        extra = first_block_extra_keys(cache_salt, lora_key) if i == 0 else None
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
+    return hashes
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                        max_blocks: int | None = None, lora_key: tuple = ()) -> list[BlockHash]:
+    """The prefix-cache hashes of a prompt's full blocks, exactly as the engine registers them."""
+    return extend_block_hashes([], token_ids, block_size, cache_salt, max_blocks, lora_key)
+
+
+class CacheEventSink(Protocol):
+    """Where the pool reports hashes entering and leaving the prefix cache (engine.core.kv_events)."""
+
+    def stored(self, block_hash: BlockHash, parent: BlockHash | None) -> None: ...
+
+    def removed(self, block_hash: BlockHash) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -133,7 +173,7 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns all blocks: allocation, ref counting, and the prefix-cache hash map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, events: CacheEventSink | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
@@ -144,6 +184,7 @@ class BlockPool:
         # Called with (block id, hash) when a cached block is taken for new use: its KV is intact until the step
         # being scheduled writes it, so an offload tier copies it out first (kv_transfer/offload/).
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -178,6 +219,8 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(h) is block:
             del self.cached_block_hash_to_block[h]
+            if self.events is not None:
+                self.events.removed(h)
         block.block_hash = None
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -226,6 +269,7 @@ class BlockPool:
                 f"or block_hashes ({len(block_hashes)}), or num_cached_blocks {num_cached_blocks} < 0"
             )
         table = self.cached_block_hash_to_block
+        events = self.events
         for i in range(num_cached_blocks, num_full_blocks):
             block = request_blocks[i]
             if block.block_hash is not None:
@@ -234,6 +278,8 @@ class BlockPool:
             if h not in table:
                 table[h] = block
                 block.block_hash = h
+                if events is not None:
+                    events.stored(h, block_hashes[i - 1] if i else None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
@@ -242,4 +288,6 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.events is not None:
+            self.events.cleared()
         return True

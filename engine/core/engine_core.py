@@ -28,6 +28,7 @@ from typing import Any
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.executor.base import Executor
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.kv_events import DEVICE, OFFLOAD, KVEventLog, TierEventRecorder
 from pagedserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.scheduler import Scheduler
@@ -60,7 +61,12 @@ class EngineCore:
             "KV cache: %d blocks x %d tokens = %d tokens; max concurrency at max_model_len=%d: %.2fx",
             num_blocks, config.block_size, capacity, config.max_model_len, capacity / config.max_model_len,
         )
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # What enters and leaves the prefix cache, sealed per step (routers index it: kv_events.py).
+        self.kv_events = KVEventLog()
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                               events=self.kv_events)
+        pool = self.kv_cache_manager.block_pool
+        self.kv_events.add_snapshot_source(DEVICE, lambda: pool.cached_block_hash_to_block.keys())
         has_connector = config.kv_transfer_config is not None or config.kv_offload_size is not None
         self.kv_connector = self._make_kv_connector() if has_connector else None
         self.scheduler = Scheduler(config, self.kv_cache_manager, kv_connector=self.kv_connector,
@@ -84,6 +90,11 @@ class EngineCore:
                                              block_hashes=self.kv_cache_manager.block_hashes)
         if self.config.kv_offload_size is not None:
             self.kv_cache_manager.block_pool.on_evict = connector.block_evicted
+            # The tier's changes join the engine's KV events, and its holdings its snapshots (routers index both).
+            tier = getattr(connector, "offload", connector)
+            recorder = TierEventRecorder(self.kv_events)
+            tier.listeners.append(recorder)
+            self.kv_events.add_snapshot_source(recorder.TIER_NAMES.get(tier.tier, OFFLOAD), lambda: tier.index.keys())
         # An in-process producer rank learns each hold at once and passes its readers' releases straight on.
         for source in self.executor.local_kv_sources():
             connector.attach_local_source(source)
@@ -159,6 +170,7 @@ class EngineCore:
             while self._batch_queue:
                 outputs += self._collect_oldest()
         self._admit_held()
+        self.kv_events.seal()
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
@@ -279,7 +291,9 @@ class EngineCore:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        self.kv_events.seal()
+        return reset
 
     def shutdown(self) -> None:
         if self._structured_output is not None:

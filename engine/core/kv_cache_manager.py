@@ -21,16 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.engine.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
-
-
-def _first_block_extra(request: KVRequest) -> tuple | None:
-    """What a request's first block hash mixes in beside its tokens: its cache salt, and the LoRA adapter it
-    runs under (KV computed under one adapter is never a hit for another, nor for the base model)."""
-    salt = request.cache_salt
-    lora = getattr(request, "lora_request", None)
-    extra = (() if salt is None else (salt,)) + (() if lora is None else lora.cache_key)
-    return extra or None
+from pagedserve.engine.core.block_pool import BlockHash, BlockPool, CacheEventSink, KVCacheBlock, extend_block_hashes
 
 
 class KVRequest(Protocol):
@@ -72,12 +63,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events: CacheEventSink | None = None) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -114,16 +106,11 @@ class KVCacheManager:
         hashes = self.req_to_block_hashes.get(request.request_id)
         if hashes is None:
             hashes = self.req_to_block_hashes[request.request_id] = []
-        bs = self.block_size
-        tokens = request.all_token_ids
-        num_full = len(tokens) // bs
-        if len(hashes) < num_full:
-            first_extra = _first_block_extra(request)
-            for i in range(len(hashes), num_full):
-                parent = hashes[-1] if hashes else None
-                # The salt and the adapter enter the first block; the chain carries them to all later ones.
-                extra = first_extra if i == 0 else None
-                hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+        if len(hashes) < len(request.all_token_ids) // self.block_size:
+            # The salt and the adapter enter the first block; the chain carries them to all later ones.
+            lora = getattr(request, "lora_request", None)
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt,
+                                lora_key=lora.cache_key if lora is not None else ())
         return hashes
 
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
