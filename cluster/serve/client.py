@@ -28,7 +28,7 @@ from pagedserve.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
-def _own_internal_request_id() -> Iterator[None]:
+def own_internal_request_id() -> Iterator[None]:
     """Give the handle call made inside its own internal request id.
 
     Serve's router matches a routing decision to its pending request by the internal request id, which
@@ -71,7 +71,7 @@ class ServeEngineClient:
         its text once at the end). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
         (the replica died while serving this request). Closing the iteration early cancels the handle's
         response, which aborts the request in its engine."""
-        with _own_internal_request_id():
+        with own_internal_request_id():
             # The prompt stays the second positional argument: the request router reads it there.
             response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params,
                                                           priority, final_only=final_only, cache_salt=cache_salt)

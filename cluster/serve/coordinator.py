@@ -195,7 +195,7 @@ class DPCoordinator:
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             args = (request_id, prompt, sampling_params, priority)
-            # EngineActor.generate's fifth argument, `final_only`, sent only when set: a streaming call
+            # EngineHost.generate's fifth argument, `final_only`, sent only when set: a streaming call
             # stays the plain four-argument one that any engine handle (or test double) answers.
             stream = state.handle.generate.remote(*args, True) if final_only else state.handle.generate.remote(*args)
             restore = PromptRestorer()

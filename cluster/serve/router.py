@@ -8,13 +8,17 @@ Selected in the Serve config of the engine deployment:
       request_routing_stats_period_s: 1
 
 Each engine replica reports its load and a bounded set of the prompt-prefix hashes it served as
-routing stats (`engine_deployment.PagedServeEngine.record_routing_stats`); Serve delivers them to
+routing stats (`engine_host.EngineHost.record_routing_stats`); Serve delivers them to
 every router. For a `generate(request_id, prompt_token_ids, ...)` call the router runs
 `routing_policy.RoutingPolicy` over the live replicas: load = requests this router has in flight on
 the replica (or Serve's cached queue length, whichever is larger) + the replica's waiting + running
 + kv_weight * KV usage; the longest prompt prefix this router sent somewhere, or a replica reports
 holding, wins within the imbalance bound. It answers Serve with two ranks: the choice, then the rest
 (Serve moves on to the rest only when the choice refuses the request because its queue is full).
+
+A PD consumer's calls to a producer engine (`kv_rank_endpoints`, `kv_read`, `kv_release`, each naming
+the replica it is for in its `replica` keyword: cluster/pd/ray_transport.py) skip the policy: they go to
+that replica, or, when it is gone, to any other, which refuses them at once (`EngineHost._check_pinned`).
 
 Every router instance in a process registers itself (`router_registry`), so that the ingress can build
 /metrics from the replicas' routing stats and the routing decisions without an RPC.
@@ -29,7 +33,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.cluster.serve.router_registry import register
-from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load, short_hash
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,18 @@ def prompt_of(pending_request: PendingRequest | None) -> Sequence[int] | None:
     args, kwargs = pending_request.args, pending_request.kwargs
     ids = args[1] if len(args) > 1 else kwargs.get("prompt_token_ids")
     return ids if isinstance(ids, (list, tuple)) else None
+
+
+# Engine host methods whose calls name the one replica they are for.
+PINNED_METHODS = frozenset({"kv_rank_endpoints", "kv_read", "kv_release"})
+
+
+def pinned_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica id a pinned call names, else None."""
+    if pending_request is None or pending_request.metadata.call_method not in PINNED_METHODS:
+        return None
+    replica = pending_request.kwargs.get("replica")
+    return replica if isinstance(replica, str) else None
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -108,6 +124,10 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pinned = pinned_replica(pending_request)
+        if pinned is not None:
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == pinned]
+            return [named or [min(candidate_replicas, key=self.replica_load)]]
         choice = self.choose(candidate_replicas, prompt_of(pending_request))
         rest = sorted((r for r in candidate_replicas if r.replica_id != choice.replica_id), key=self.replica_load)
         return [[choice], rest] if rest else [[choice]]
@@ -164,8 +184,3 @@ def _ray_decision_counter() -> Any:
                        tag_keys=("decision", "deployment", "application"))
     except Exception:  # noqa: BLE001 - metrics are optional; routing is not
         return None
-
-
-def short_hash(block_hash: bytes) -> str:
-    """How a prefix hash travels in routing stats: 16 hex digits (64 bits) of the SHA-256."""
-    return block_hash[:8].hex()
