@@ -6,7 +6,8 @@ Answers equal the monolithic engine's (an in-process `LocalServer` on the same m
 n == 1 (the decode continues from the prefill's token) and n > 1; faults kill real engine replicas
 (Serve replaces them); a rolling update of the decode deployment under load fails no request. After
 every test every KV block on both engines is free and nothing is held (read from /metrics). One Ray
-instance and one app for the module; faults run last.
+instance and one app for the module; faults run last. The fault and rolling-update tests wait for Serve
+to start new engine replicas, which takes minutes on two busy cores: they are `slow` (`make test-slow`).
 """
 
 from __future__ import annotations
@@ -208,11 +209,12 @@ def _wait_replaced(pool: str, gone: str, deadline_s: float = 300.0) -> None:
         time.sleep(0.3)
 
 
+@pytest.mark.slow
 def test_killed_prefill_replica_under_load_recomputes_on_decode(server, http, mono):
     """A prefill replica killed while requests run on it: those requests are computed on the decode engine
     (the prefill leg's EngineDeadError, or a read from the dead producer, falls back); requests that
     arrive before Serve's replacement is up wait for it. Every answer is still the monolithic one."""
-    prompts = [[(17 * i + 3 * k) % 470 + 20 for k in range(200)] for i in range(8)]
+    prompts = [[(17 * i + 3 * k) % 470 + 20 for k in range(600)] for i in range(16)]  # prefill work queues up
     bodies = [{"prompt": p, "max_tokens": 6, "temperature": 0} for p in prompts]
     before = wait_idle(http)
     killed: list[str] = []
@@ -234,6 +236,7 @@ def test_killed_prefill_replica_under_load_recomputes_on_decode(server, http, mo
     assert response.status_code == 200  # the new prefill replica serves
 
 
+@pytest.mark.slow
 def test_killed_decode_replica_fails_its_requests_and_releases_holds(server, http):
     bodies = [{"prompt": p, "max_tokens": 300, "temperature": 0, "ignore_eos": True} for p in PROMPTS]
     killed: list[str] = []
@@ -250,15 +253,17 @@ def test_killed_decode_replica_fails_its_requests_and_releases_holds(server, htt
     # idle_after: the prefill engine holds nothing (the client released what the dead decode never read)
 
 
+@pytest.mark.slow
 def test_rolling_update_of_the_decode_deployment_fails_no_request(server, http, mono):
     """Redeploy the app with the decode pool pinned to another resource: Serve replaces the decode
-    replica (the old one drains its requests), the prefill replica stays; requests sent all along succeed."""
+    replica (the old one drains its requests; a redeploy through `serve.run` gives every deployment a
+    new version, so the other deployments roll too); requests sent all along succeed."""
     from ray import serve
 
     from pagedserve.cluster.serve.app import build_app
 
     url, args = server
-    old_decode, old_prefill = replicas("decode"), replicas("prefill")
+    old_decode = replicas("decode")
     expected = normalized(post(mono, "/v1/completions", prompt=PROMPTS[1], max_tokens=12, temperature=0).json())
     stop = threading.Event()
     results: list[httpx.Response | Exception] = []
@@ -287,7 +292,6 @@ def test_rolling_update_of_the_decode_deployment_fails_no_request(server, http, 
         stop.set()
         for thread in threads:
             thread.join(timeout=600.0)
-    assert replicas("prefill") == old_prefill  # only the decode deployment rolled
     failed = [r if isinstance(r, Exception) else r.text[:200] for r in results
               if isinstance(r, Exception) or r.status_code != 200]
     assert results and not failed, failed
