@@ -47,11 +47,18 @@ def engine_deployment_options(args: ServeArgs, cluster_resources: dict[str, floa
             "target_ongoing_requests": args.target_ongoing_requests,
             "upscale_delay_s": args.upscale_delay_s,
             "downscale_delay_s": args.downscale_delay_s,
-            "look_back_period_s": args.autoscaling_look_back_period_s,
+            **look_back(args),
         }
     else:
         options["num_replicas"] = args.data_parallel_size
     return options
+
+
+def look_back(args: ServeArgs) -> dict[str, float]:
+    """Serve's metrics window when the operator set one (unset: Serve's own, the same 30 s)."""
+    if "autoscaling_look_back_period_s" not in args.model_fields_set:
+        return {}
+    return {"look_back_period_s": args.autoscaling_look_back_period_s}
 
 
 def engine_replica_options(args: ServeArgs, name: str, engine_kwargs: dict[str, Any],

@@ -30,7 +30,7 @@ from pydantic import SecretStr
 from ray import serve
 
 from pagedserve.cluster.pd_settings import pool_scaling, side_layout_kwargs
-from pagedserve.cluster.serve.app import engine_replica_options
+from pagedserve.cluster.serve.app import engine_replica_options, look_back
 from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.ingress import EngineConnection, PagedServeIngress
 from pagedserve.cluster.serve.pd_autoscaling import role_policy
@@ -73,7 +73,7 @@ def pool_deployment_options(args: ServeArgs, spec: PoolSpec,
         options["autoscaling_config"] = {
             "min_replicas": low, "initial_replicas": initial, "max_replicas": high,
             "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s,
-            "look_back_period_s": args.autoscaling_look_back_period_s,
+            **look_back(args),
             "policy": role_policy(spec.role, args),
         }
     return options
