@@ -111,6 +111,7 @@ class _RayLayerReader(LayerReader):
             for i, layer in enumerate(layers):
                 self._where[layer] = (call, i)
         self._results: dict[int, list] = {}
+        self._done: set[int] = set()  # calls whose result arrived
 
     def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         call, index = self._where[layer]
@@ -125,15 +126,17 @@ class _RayLayerReader(LayerReader):
                 self.transport.forget(self.address)
                 raise
             self._results = {id(call): result}  # earlier calls' layers are done with (layers come in order)
+            self._done.add(id(call))
         return result[index]
 
     def close(self) -> None:
-        for call in self._calls:  # a read given up on (a fallback) stops waiting on its calls
-            if id(call) not in self._results:
+        for call in self._calls:  # a read given up on (a fallback) stops its calls still in flight
+            if id(call) not in self._done:
                 call.cancel()
         self._calls.clear()
         self._where.clear()
         self._results.clear()
+        self._done.clear()
 
 
 class RayTransport(KVTransport):
