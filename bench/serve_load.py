@@ -6,6 +6,12 @@ at most `--max-concurrency` in flight; TTFT, TPOT, ITL and e2e come out as mean 
 With `--slo ttft:500ms,tpot:50ms` each rate also gets its goodput (requests/s meeting every target)
 and the sweep the highest rate that meets it; `--plot` draws latency against load over the rates.
 
+`--pd` (with `--start-server`) starts the prefill/decode app instead of the monolithic one:
+`--num-prefill-engines` prefill and `--num-decode-engines` decode replicas (default 1 + 1), KV over
+`--kv-connector`. `--routing-overhead N` (with `--start-server`) also times N one-token requests through
+the shape's Serve handle against the in-process coordinator (`routing_overhead`); run it with and
+without `--pd` to compare the shapes.
+
 The roofline of a rate's decode step: by Little's law the mean number of sequences decoding at once
 is output tokens/s x mean TPOT; each step is one such batch at the mean context (prompt + half the
 output), measured as the mean TPOT.
@@ -66,6 +72,12 @@ def add_server_args(p: argparse.ArgumentParser, kv_cache_memory: str = "256MiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--num-cpus-per-engine", type=float, default=None)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="engine replicas (default 1)")
+    g.add_argument("--pd", action="store_true", help="start the prefill/decode app (two Serve deployments)")
+    g.add_argument("--num-prefill-engines", type=int, default=1, help="prefill replicas with --pd (default 1)")
+    g.add_argument("--num-decode-engines", type=int, default=1, help="decode replicas with --pd (default 1)")
+    g.add_argument("--kv-connector", default="ray", choices=["ray", "torch_p2p"], help="KV transport with --pd")
+    g.add_argument("--routing-overhead", type=int, default=0, metavar="N",
+                   help="also time N one-token requests through the Serve handle and in-process")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,6 +103,11 @@ def check_load_args(ns: argparse.Namespace) -> dict[str, float] | None:
         raise ValueError(f"--timeout: must be > 0, got {ns.timeout}")
     if not 0 < ns.slo_attainment <= 1:
         raise ValueError(f"--slo-attainment: must be in (0, 1], got {ns.slo_attainment}")
+    pd, overhead = getattr(ns, "pd", False), getattr(ns, "routing_overhead", 0)  # (`tune` has neither flag)
+    if (pd or overhead) and not getattr(ns, "start_server", False):
+        raise ValueError("--pd / --routing-overhead: need --start-server (they describe the server it starts)")
+    if overhead < 0:
+        raise ValueError(f"--routing-overhead: must be >= 0, got {overhead}")
     return parse_slo(ns.slo) if ns.slo else None
 
 
@@ -103,6 +120,7 @@ class LocalServer:
 
     url: str
     app_name: str
+    args: Any = None  # the app's ServeArgs
 
     @classmethod
     def start(cls, model: str, port: int, settings: dict[str, Any]) -> "LocalServer":
@@ -120,7 +138,7 @@ class LocalServer:
         print(f"starting a server for {args.model} on 127.0.0.1:{port} ({settings}) ...", file=sys.stderr,
               flush=True)
         start_server(args)
-        return cls(server_url(args), args.app_name)
+        return cls(server_url(args), args.app_name, args)
 
     def stop(self, everything: bool = True) -> None:
         """Delete the app (its engines stop); with `everything`, shut Serve down too."""
@@ -135,6 +153,9 @@ def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
                  "data_parallel_size"):
         if getattr(ns, name, None) is not None:
             settings[name] = getattr(ns, name)
+    if getattr(ns, "pd", False):
+        settings.update(num_prefill_engines=ns.num_prefill_engines, num_decode_engines=ns.num_decode_engines,
+                        kv_connector=ns.kv_connector)
     return settings
 
 
@@ -216,11 +237,12 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
         rows.append([r["name"], f"{r['completed']}/{r['num_requests']}", t["requests_per_s"],
                      t["output_tokens_per_s"], *((lat[k] or {}).get(s) for k, s in
                                                  (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"),
-                                                  ("tpot", "p99"), ("itl", "p99"), ("e2e", "p99"))),
+                                                  ("tpot", "p99"), ("itl", "p50"), ("itl", "p99"),
+                                                  ("e2e", "p99"))),
                      good["requests_per_s"] if good else None,
                      f"{good['attainment']:.0%}" if good else None])
     return rep.table(["point", "done", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                      "ITL p99", "E2E p99", "goodput", "in SLO"], rows)
+                      "ITL p50", "ITL p99", "E2E p99", "goodput", "in SLO"], rows)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -229,6 +251,7 @@ def run(ns: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     figures = common.machine(ns)
     server = None
+    overhead = None
     model = ns.model
     try:
         if ns.start_server:
@@ -257,16 +280,28 @@ def run(ns: argparse.Namespace) -> int:
                                    params={"chaos_kill_every_s": every}, headers=headers)
             compared = [chaos.comparison(calm, hit, len(killer.kills)) for calm, hit in zip(runs, chaos_runs)]
             runs += chaos_runs
+        if ns.routing_overhead and server is not None:
+            from pagedserve.bench.routing_overhead import routing_overhead
+
+            overhead = routing_overhead(server.args, ns.routing_overhead)
     finally:
         if server is not None:
             server.stop()
     summary = sweep_summary(runs, slo, ns.slo_attainment)
     if compared is not None:
         summary["chaos"] = compared
+    if overhead is not None:
+        summary["routing_overhead"] = overhead
     config = {k: v for k, v in vars(ns).items() if k not in ("bench_func", "api_key")}
     report = rep.make_report("serve", model or info.model, config, runs, figures.to_dict() if figures else None,
                              summary)
-    parts = [f"pagedserve bench serve: {info.model} at {ns.base_url}", runs_table(runs)]
+    shape = (f"PD: {ns.num_prefill_engines} prefill + {ns.num_decode_engines} decode" if ns.pd else "monolithic")
+    parts = [f"pagedserve bench serve: {info.model} at {ns.base_url} ({shape})", runs_table(runs)]
+    if overhead is not None:
+        parts.append(f"routing overhead of a one-token request ({overhead['deployment']}): Serve handle "
+                     f"{overhead['serve_handle_median_ms']:.2f} ms, in-process coordinator "
+                     f"{overhead['in_process_coordinator_median_ms']:.2f} ms median "
+                     f"(+{overhead['serve_overhead_ms']:.2f} ms)")
     for r in runs:
         parts.append(f"{r['name']}:\n{rep.latency_table(r)}")
     if slo:

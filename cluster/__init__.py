@@ -3,7 +3,7 @@
 - `serving/`: the OpenAI HTTP API only (one module per endpoint family, one place for errors).
 - `serve/`: Ray Serve deployments (the engine host, the one ingress), request routers, app builders.
 - `executor/`: Ray worker groups, the Ray executor, placement.
-- `pd/`: what is PD-specific about KV over Ray: the Ray KV transport, signed reads, where reads go.
+- `pd/`: what is PD-specific about KV over Ray: the Ray KV transport and signed reads.
 - top: what every room reads (`engine_client.EngineClient`, `settings`, `pd_settings`, `fleet_stats`),
   and the CLI.
 

@@ -122,6 +122,8 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
     scale.add_argument("--upscale-delay-s", type=float, help="load must last this long before a scale-up (default 5)")
     scale.add_argument("--downscale-delay-s", type=float,
                        help="idleness must last this long before a scale-down (default 60)")
+    scale.add_argument("--autoscaling-look-back-period-s", type=float,
+                       help="the window Serve averages the autoscaling metrics over (default 30)")
     scale.add_argument("--num-ingress-replicas", type=int, help="HTTP ingress replicas (default 1)")
     scale.add_argument("--graceful-shutdown-timeout-s", type=float,
                        help="how long a removed engine replica may finish its requests (default 60)")
@@ -136,6 +138,16 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
         pd.add_argument(f"--{role}-pipeline-parallel-size", type=int, help=f"PP of each {role} engine (default -pp)")
         pd.add_argument(f"--{role}-resources", type=json.loads, metavar="JSON",
                         help=f'custom Ray resources each {role} engine (and rank) reserves, e.g. \'{{"{role}": 1}}\'')
+        pd.add_argument(f"--{role}-min-replicas", type=int,
+                        help=f"autoscale the {role} pool from this many replicas (default 1 when "
+                             f"--{role}-max-replicas is given); --num-{role}-engines is then the initial count")
+        pd.add_argument(f"--{role}-max-replicas", type=int, help=f"autoscale the {role} pool up to this many")
+    pd.add_argument("--prefill-target-queued-prompt-tokens", type=float,
+                    help="prompt tokens in flight per prefill replica the autoscaler aims at (default 8192)")
+    pd.add_argument("--decode-target-num-seqs", type=float,
+                    help="sequences running or waiting per decode replica the autoscaler aims at (default 32)")
+    pd.add_argument("--decode-target-kv-usage", type=float,
+                    help="mean KV-cache usage (0-1] of the decode replicas the autoscaler aims at (default 0.85)")
     pd.add_argument("--kv-connector", help="KV transport between the pools: ray (default) or torch_p2p")
     pd.add_argument("--kv-connector-extra-config", type=json.loads, metavar="JSON",
                     help='e.g. \'{"hold_timeout_s": 120, "read_timeout_s": 60}\'')

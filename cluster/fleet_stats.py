@@ -23,7 +23,7 @@ COUNTER_KEYS = (
 )
 # Instantaneous engine gauges (summed over reachable engines).
 GAUGE_KEYS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks")
-# The SchedulerStats figures every engine reports (engine_actor.get_stats, the replica's routing stats).
+# The SchedulerStats figures every engine reports (EngineHost.get_stats, the replica's routing stats).
 ENGINE_FIGURES = (*GAUGE_KEYS, "kv_cache_usage", *COUNTER_KEYS)
 # Figures of members that went away, kept for monotonic counters (bounded: the least recently seen go first).
 MAX_REMEMBERED_MEMBERS = 1024

@@ -14,6 +14,17 @@ from pagedserve.kv_transfer.registry import CONNECTORS
 PD_FIELDS = ("num_prefill_engines", "num_decode_engines")
 
 
+def pool_scaling(args: Any, role: str) -> tuple[int, int, int] | None:
+    """(min, initial, max) replicas of an autoscaled pool, or None for a fixed num_*_engines."""
+    low, high = getattr(args, f"{role}_min_replicas"), getattr(args, f"{role}_max_replicas")
+    if low is None and high is None:
+        return None
+    count = int(getattr(args, f"num_{role}_engines"))
+    low = low if low is not None else 1
+    high = high if high is not None else max(low, count)
+    return low, min(max(count, low), high), high
+
+
 def side_layout_kwargs(args: Any, role: str) -> dict[str, int]:
     """tensor/pipeline parallel sizes of one pool's engines (the shared flags unless the pool's own are set)."""
     tp = getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size
@@ -33,6 +44,13 @@ def check_pd_args(args: Any) -> None:
     """Raise ValueError naming the field when the PD settings are incomplete or the two pools' layouts
     cannot exchange KV."""
     given = [f for f in PD_FIELDS if getattr(args, f) is not None]
+    for role in ("prefill", "decode"):
+        low, high = getattr(args, f"{role}_min_replicas"), getattr(args, f"{role}_max_replicas")
+        if (low is not None or high is not None) and len(given) < 2:
+            field = f"{role}_min_replicas" if low is not None else f"{role}_max_replicas"
+            raise ValueError(f"{field}: autoscales a PD pool; set num_prefill_engines and num_decode_engines too")
+        if low is not None and high is not None and high < low:
+            raise ValueError(f"{role}_max_replicas: must be >= {role}_min_replicas ({low}), got {high}")
     if len(given) == 1:
         missing = next(f for f in PD_FIELDS if f not in given)
         raise ValueError(f"{missing}: prefill/decode disaggregation needs both num_prefill_engines and "

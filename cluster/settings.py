@@ -73,6 +73,7 @@ class ServeArgs(EngineConfig):
     target_ongoing_requests: float = Field(default=32.0, gt=0)  # per engine replica, for autoscaling
     upscale_delay_s: float = Field(default=5.0, ge=0)
     downscale_delay_s: float = Field(default=60.0, ge=0)  # Serve's default (600 s) suits no LLM fleet
+    autoscaling_look_back_period_s: float = Field(default=30.0, gt=0)  # the window Serve averages metrics over
     num_ingress_replicas: int = Field(default=1, ge=1)
     graceful_shutdown_timeout_s: float = Field(default=60.0, gt=0)  # a removed engine finishes its requests
     # Fault tolerance (cluster/serve/migration.py): times one request may move to another engine after
@@ -97,6 +98,16 @@ class ServeArgs(EngineConfig):
     # Multi-LoRA (with enable_lora): adapters served from the start, NAME=PATH (PEFT folders); clients pick
     # one by its name in `model` (cluster/serving/lora.py).
     lora_modules: list[str] = Field(default_factory=list)
+    # PD autoscaling, per pool (`pd_autoscaling`): set a pool's min/max to autoscale it from its
+    # num_*_engines; the targets are per replica: prefill by prompt tokens in flight (its queue), decode by
+    # sequences running or waiting, or by KV usage, whichever asks for more replicas.
+    prefill_min_replicas: int | None = Field(default=None, ge=1)
+    prefill_max_replicas: int | None = Field(default=None, ge=1)
+    decode_min_replicas: int | None = Field(default=None, ge=1)
+    decode_max_replicas: int | None = Field(default=None, ge=1)
+    prefill_target_queued_prompt_tokens: float = Field(default=8192.0, gt=0)
+    decode_target_num_seqs: float = Field(default=32.0, gt=0)
+    decode_target_kv_usage: float = Field(default=0.85, gt=0, le=1)
 
     @model_validator(mode="before")
     @classmethod

@@ -183,6 +183,20 @@ class AsyncLLM:
         """Prefill producer: readers are done with these holds' KV, each (hold id, hold token) (thread-safe)."""
         self.engine.release_kv(list(holds))
 
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.num_kv_blocks
+
+    def kv_read(self, rank: int, token: str, spec: Any, layers: list[int], auth: Any) -> list:
+        """Prefill producer: one rank's held KV for a PD consumer (blocking; call it off the event loop)."""
+        return self.engine.kv_read(rank, token, spec, layers, auth)
+
+    def kv_rank_endpoints(self) -> list:
+        return self.engine.kv_rank_endpoints()
+
+    def rank_node_ids(self) -> list[str | None]:
+        return self.engine.rank_node_ids()
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", [request_id], None))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import Any
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
@@ -146,6 +147,21 @@ class LLMEngine:
 
     def free_released_kv(self) -> int:
         return self.engine_core.free_released_kv()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine_core.num_blocks
+
+    def kv_read(self, rank: int, token: str, spec: Any, layers: list[int], auth: Any) -> list:
+        """Prefill producer: a PD consumer reads one rank's held KV (`Worker.kv_read`, through the executor)."""
+        return self.engine_core.executor.rank_rpc(rank, "kv_read", (token, spec, layers, auth))
+
+    def kv_rank_endpoints(self) -> list:
+        """Per rank, what answers `kv_read` for it in its own process, or None (`kv_read` here)."""
+        return self.engine_core.executor.kv_rank_endpoints()
+
+    def rank_node_ids(self) -> list[str | None]:
+        return self.engine_core.executor.rank_node_ids()
 
     def get_stats(self) -> SchedulerStats:
         stats = self.engine_core.get_stats()

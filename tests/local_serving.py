@@ -1,4 +1,4 @@
-"""The OpenAI app in-process over a real engine, without Ray: an `EngineActor` (not wrapped by Ray)
+"""The OpenAI app in-process over a real engine, without Ray: an `EngineHost` (not wrapped by Ray)
 behind the real `DPCoordinator`, whose `.remote(...)` calls a small adapter answers locally."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from starlette.testclient import TestClient
 
 from pagedserve.cluster.serve.coordinator import DPCoordinator
-from pagedserve.cluster.serve.engine_actor import EngineActor
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.settings import ServeArgs
@@ -42,9 +42,9 @@ class _LocalMethod:
 
 
 class LocalHandle:
-    """What the coordinator needs of a Ray actor handle, over a local EngineActor."""
+    """What the coordinator needs of a Ray actor handle, over a local EngineHost."""
 
-    def __init__(self, actor: EngineActor) -> None:
+    def __init__(self, actor: EngineHost) -> None:
         self.actor = actor
 
     def __getattr__(self, name: str) -> _LocalMethod:
@@ -57,7 +57,7 @@ class LocalServer:
     def __init__(self, model: str, engine_kwargs: dict | None = None, **serve_overrides: Any) -> None:
         kwargs = {"model": model, "dtype": "float32", "kv_cache_memory": "16MiB", "block_size": 4,
                   **(engine_kwargs or {})}
-        self.actor = EngineActor(kwargs, 0, max_pending_requests=64)
+        self.actor = EngineHost(kwargs, 0, max_pending_requests=64)
         self.coordinator = DPCoordinator([LocalHandle(self.actor)], block_size=kwargs["block_size"],
                                          stats_interval_s=0.05)
         self.coordinator.start()

@@ -89,8 +89,8 @@ def engine_replicas(args: Any, app: dict) -> int:
 
 
 def pool_demand(args: Any, role: str, cluster_has_gpu: bool) -> EngineDemand:
-    """One engine of a prefill/decode pool (`cluster/serve/pd_pools.py`): the pool's TP/PP layout, and its custom
-    resources on the engine actor or on every bundle of its placement group."""
+    """One engine replica of a prefill/decode deployment (`cluster/serve/pd_app.py`): the pool's TP/PP layout,
+    and its custom resources on the replica or on every bundle of its placement group."""
     layout = {"tensor_parallel_size": getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size,
               "pipeline_parallel_size": getattr(args, f"{role}_pipeline_parallel_size") or args.pipeline_parallel_size}
     demand = engine_demand(args.model_copy(update=layout), cluster_has_gpu)
@@ -101,9 +101,15 @@ def pool_demand(args: Any, role: str, cluster_has_gpu: bool) -> EngineDemand:
 
 
 def app_demand(args: Any, app: dict, ingress_options: dict, cluster_has_gpu: bool) -> AppDemand:
-    if args.disaggregated:  # the pools' engines; the pools and ingress deployments reserve no CPU
-        engines = ([pool_demand(args, "prefill", cluster_has_gpu) for _ in range(args.num_prefill_engines)]
-                   + [pool_demand(args, "decode", cluster_has_gpu) for _ in range(args.num_decode_engines)])
+    if args.disaggregated:  # the pools' engine replicas (at most max_replicas each); the ingress reserves no CPU
+        from pagedserve.cluster.pd_settings import pool_scaling
+
+        def most(role: str) -> int:
+            scaling = pool_scaling(args, role)
+            return getattr(args, f"num_{role}_engines") if scaling is None else scaling[2]
+
+        engines = ([pool_demand(args, "prefill", cluster_has_gpu) for _ in range(most("prefill"))]
+                   + [pool_demand(args, "decode", cluster_has_gpu) for _ in range(most("decode"))])
         return AppDemand(engines=engines, ingress=[{"CPU": 0.0} for _ in range(args.num_ingress_replicas)])
     engines = [engine_demand(args, cluster_has_gpu) for _ in range(engine_replicas(args, app))]
     return AppDemand(engines=engines, ingress=ingress_demand(app, ingress_options, args.num_ingress_replicas,

@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.testclient import TestClient
 
-from pagedserve.cluster.serve.engine_actor import EngineActor
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.pd_client import PDClient
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
@@ -30,15 +30,15 @@ class LocalPD:
                  prefill_kwargs: dict | None = None, decode_kwargs: dict | None = None) -> None:
         base = {"model": model, "dtype": "float32", "kv_cache_memory": "16MiB", "block_size": 4, **(engine_kwargs or {})}
         extra = {"hold_timeout_s": hold_timeout_s}
-        self.prefill = EngineActor({**base, **(prefill_kwargs or {}), "kv_transfer_config": {
+        self.prefill = EngineHost({**base, **(prefill_kwargs or {}), "kv_transfer_config": {
             "kv_connector": "inproc", "kv_role": "kv_producer", "engine_id": "prefill-0",
             "kv_connector_extra_config": extra}}, 0, max_pending_requests=64)
-        self.decode = EngineActor({**base, **(decode_kwargs or {}), "kv_transfer_config": {
+        self.decode = EngineHost({**base, **(decode_kwargs or {}), "kv_transfer_config": {
             "kv_connector": "inproc", "kv_role": "kv_consumer", "kv_connector_extra_config": extra}},
             1, max_pending_requests=64)
         self.prefill_handle = LocalHandle(self.prefill)
         self.decode_handle = LocalHandle(self.decode)
-        self.client = PDClient([self.prefill_handle], [self.decode_handle], ["prefill-0"],
+        self.client = PDClient.over_actors([self.prefill_handle], [self.decode_handle], ["prefill-0"],
                                prefill_block_size=self.prefill.engine.config.block_size,
                                decode_block_size=self.decode.engine.config.block_size, stats_interval_s=0.05)
         self.client.start()
@@ -47,10 +47,10 @@ class LocalPD:
         self.serving = OpenAIServing(self.client, load_tokenizer(model), self.args, max_model_len)
         self.app = build_fastapi_app(self.serving)
 
-    def engines(self) -> list[EngineActor]:
+    def engines(self) -> list[EngineHost]:
         return [self.prefill, self.decode]
 
-    def kv_stats(self, engine: EngineActor) -> dict:
+    def kv_stats(self, engine: EngineHost) -> dict:
         return dict(engine.engine.get_stats().scheduler.kv_transfer)
 
     def wait_idle(self, timeout_s: float = 30.0) -> list[tuple[int, int, int]]:

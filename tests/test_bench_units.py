@@ -279,6 +279,8 @@ def test_bad_arguments_are_clear_errors(capsys, tmp_path):
     assert "--batch-size" in capsys.readouterr().err
     assert main(["bench", "serve", "--slo", "ttft:fast", "--no-roofline"]) == 2
     assert "--slo" in capsys.readouterr().err
+    assert main(["bench", "serve", "--pd", "--no-roofline"]) == 2  # --pd describes the server it starts
+    assert "--start-server" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--request-rate", "-1"])
     with pytest.raises(SystemExit):

@@ -47,10 +47,10 @@ def test_a_bad_salt_is_a_value_error_naming_it(tiny_llama, salt, message):
 def test_the_serve_engine_client_carries_the_salt_to_its_replica(tiny_llama):
     """ServeEngineClient -> engine deployment -> engine actor -> AsyncLLM, in-process (a fake handle)."""
     from pagedserve.cluster.serve.client import ServeEngineClient
-    from pagedserve.cluster.serve.engine_deployment import PagedServeEngine
+    from pagedserve.cluster.serve.engine_host import EngineHost
     from tests.serve_handle_fakes import FakeHandle
 
-    replica = PagedServeEngine({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB",
+    replica = EngineHost({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB",
                                 "block_size": 4})
 
     client = ServeEngineClient(FakeHandle(replica), "app", "engine")
@@ -62,7 +62,7 @@ def test_the_serve_engine_client_carries_the_salt_to_its_replica(tiny_llama):
     try:
         got = [asyncio.run(cached(f"r{i}", salt)) for i, salt in enumerate(["s1", "s1", "s2", None])]
     finally:
-        replica.actor.shutdown()
+        replica.shutdown()
     assert got == [0, 20, 0, 0]
 
 

@@ -11,7 +11,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedserve.cluster.serve.coordinator import DPCoordinator  # noqa: E402
-from pagedserve.cluster.serve.engine_actor import EngineActor, start_engine_actors, wait_engines_ready  # noqa: E402
+from pagedserve.cluster.serve.engine_actor import start_engine_actors, wait_engines_ready  # noqa: E402
+from pagedserve.cluster.serve.engine_host import EngineHost  # noqa: E402
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS  # noqa: E402
 from pagedserve.engine import LLM, SamplingParams  # noqa: E402
 from pagedserve.engine.async_llm import EngineDeadError  # noqa: E402
@@ -246,7 +247,7 @@ def test_engine_actor_with_tensor_parallel_worker_group(engines, engine_kwargs):
 def test_engine_loop_death_fails_requests_and_triggers_restart(engine_kwargs):
     """In-process (no Ray): when the engine loop dies, its request fails and the watchdog asks for a restart."""
 
-    class RecordingActor(EngineActor):
+    class RecordingActor(EngineHost):
         died = threading.Event()
 
         def _on_engine_death(self) -> None:
@@ -277,7 +278,7 @@ def test_engine_loop_death_fails_requests_and_triggers_restart(engine_kwargs):
 
 def test_actor_stream_carries_the_prompt_only_in_its_first_output(engine_kwargs):
     """In-process (what `generate` hands to Ray): the prompt is pickled once per stream, not per token."""
-    actor = EngineActor(engine_kwargs, engine_index=0)
+    actor = EngineHost(engine_kwargs, engine_index=0)
     params = dict(temperature=0, max_tokens=8, min_tokens=8)
 
     async def run():

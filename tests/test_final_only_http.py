@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from pagedserve.cluster.serve.engine_deployment import PagedServeEngine
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.client import ServeEngineClient
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
@@ -227,13 +227,13 @@ def test_final_only_timer_dates_the_first_token_from_the_engines_record():
 def test_the_serve_engine_client_asks_its_replica_for_the_final_output(tiny_llama, monkeypatch):
     """ServeEngineClient -> engine deployment -> engine actor -> AsyncLLM, in-process (a fake handle):
     the prompt stays the router's second positional argument and `final_only` travels as a keyword."""
-    replica = PagedServeEngine({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB",
+    replica = EngineHost({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB",
                                 "block_size": 4})
     handle = FakeHandle(replica)
 
     kinds: list[OutputKind] = []
-    real = replica.actor.engine.generate
-    monkeypatch.setattr(replica.actor.engine, "generate",
+    real = replica.engine.generate
+    monkeypatch.setattr(replica.engine, "generate",
                         lambda *a, **k: (kinds.append(k.get("output_kind")), real(*a, **k))[1])
     client = ServeEngineClient(handle, "app", "engine")
 
@@ -244,7 +244,7 @@ def test_the_serve_engine_client_asks_its_replica_for_the_final_output(tiny_llam
     try:
         final, deltas = asyncio.run(run(True)), asyncio.run(run(False))
     finally:
-        replica.actor.shutdown()
+        replica.shutdown()
     assert kinds == [OutputKind.FINAL_ONLY, OutputKind.DELTA]
     assert [args[1] for args, _ in handle.calls] == [[5, 6, 7, 8, 9]] * 2
     assert [kwargs["final_only"] for _, kwargs in handle.calls] == [True, False]

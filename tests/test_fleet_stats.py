@@ -88,7 +88,7 @@ def test_every_engine_client_shape_implements_the_protocol():
 def test_engines_clients_and_metrics_read_the_one_list_of_figures():
     """The engine figures are named once (fleet_stats); what engines report and /metrics exports follow it."""
     from pagedserve.cluster.fleet_stats import ENGINE_FIGURES, GAUGE_KEYS
-    from pagedserve.cluster.serve.engine_deployment import ROUTING_STATS_KEYS
+    from pagedserve.cluster.serve.engine_host import ROUTING_STATS_KEYS
     from pagedserve.cluster.serving import metrics
 
     assert set(ENGINE_FIGURES) <= set(ROUTING_STATS_KEYS)

@@ -211,7 +211,7 @@ def test_a_stale_replica_is_routed_approximately_and_counted():
     assert router.index.views[replicas[0].replica_id].stale == GAP
     assert router.snapshot()["kv_index"]["stale_engines"] == 1
     # Approximately: replica 0 reported serving the prefix (its recent-prefix list), so it still wins.
-    from pagedserve.cluster.serve.router import short_hash
+    from pagedserve.cluster.serve.routing_policy import short_hash
     from pagedserve.cluster.serve.routing_policy import prefix_hashes
 
     replicas[0].routing_stats["prefix_hashes"] = [short_hash(h) for h in prefix_hashes(prefix, BS, 8)]

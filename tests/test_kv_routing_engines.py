@@ -10,7 +10,7 @@ import asyncio
 import random
 import time
 
-from pagedserve.cluster.serve.engine_deployment import PagedServeEngine
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.kv_feed import key_of
 from pagedserve.cluster.serve.routing_policy import EXACT_HIT
 from pagedserve.engine.core.kv_events import DEVICE, REMOVED
@@ -20,23 +20,23 @@ BLOCK = 4
 PARAMS = dict(max_tokens=4, temperature=0, ignore_eos=True)
 
 
-def _engine(model) -> PagedServeEngine:
+def _engine(model) -> EngineHost:
     # 52 blocks = 208 tokens each: the tenants' prefixes alone (10 x 6 blocks) exceed one engine.
-    return PagedServeEngine({"model": str(model), "dtype": "float32", "num_kv_blocks": 52, "block_size": BLOCK,
+    return EngineHost({"model": str(model), "dtype": "float32", "num_kv_blocks": 52, "block_size": BLOCK,
                              "max_num_seqs": 4})
 
 
-def _pool_keys(engine: PagedServeEngine) -> set[bytes]:
-    pool = engine.actor.engine.engine.engine_core.kv_cache_manager.block_pool
+def _pool_keys(engine: EngineHost) -> set[bytes]:
+    pool = engine.engine.engine.engine_core.kv_cache_manager.block_pool
     return {key_of(h) for h in pool.cached_block_hash_to_block}
 
 
-def _wait_all_free(engine: PagedServeEngine, deadline_s: float = 30.0) -> None:
+def _wait_all_free(engine: EngineHost, deadline_s: float = 30.0) -> None:
     """Every block free once the engine thread has posted the stats of the step that finished the last
     request (the output reaches the caller just before)."""
     end = time.monotonic() + deadline_s
     while True:
-        stats = engine.actor.engine.get_stats().scheduler
+        stats = engine.engine.get_stats().scheduler
         if stats.num_free_blocks == stats.num_total_blocks:
             return
         assert time.monotonic() < end, f"blocks still in use: {stats}"
@@ -86,7 +86,7 @@ def test_exact_routing_predicts_what_the_engines_find_and_the_index_matches_thei
         assert router.prediction_counters.checked == len(results)
         assert router.policy.decisions[EXACT_HIT] >= len(results) // 3  # tenants came back to their prefix
         assert sum(f for _, f in results) > 0
-        logs = [e.actor.engine.engine.engine_core.kv_events for e in engines]
+        logs = [e.engine.engine.engine_core.kv_events for e in engines]
         evictions = [sum(len(ev.block_hashes) for b in log.since(0) for ev in b.events if ev.kind == REMOVED)
                      for log in logs]
         assert sum(evictions) > 0, "the workload was meant to evict"
@@ -97,13 +97,13 @@ def test_exact_routing_predicts_what_the_engines_find_and_the_index_matches_thei
             _wait_all_free(engine)
 
         # A prefix-cache reset: the cleared event empties that engine's view.
-        assert engines[0].actor.engine.engine.reset_prefix_cache()
+        assert engines[0].engine.engine.reset_prefix_cache()
         asyncio.run(_refresh(replicas, engines))
         router._sync_index(replicas)
         assert router.index.views[replicas[0].replica_id].tiers.get(DEVICE, set()) == set()
 
         # A restarted engine: a new incarnation, followed from its first report.
-        engines[1].actor.shutdown()
+        engines[1].shutdown()
         engines[1] = _engine(tiny_llama)
         prefix, salt = tenants[0]
 
@@ -121,7 +121,7 @@ def test_exact_routing_predicts_what_the_engines_find_and_the_index_matches_thei
             assert view.fresh and view.tiers.get(DEVICE, set()) == _pool_keys(engine)
     finally:
         for engine in engines:
-            engine.actor.shutdown()
+            engine.shutdown()
 
 
 def test_concurrent_requests_are_predicted_too(tiny_llama):
@@ -151,4 +151,4 @@ def test_concurrent_requests_are_predicted_too(tiny_llama):
         assert router.policy.decisions[EXACT_HIT] >= len(results) // 3
     finally:
         for engine in engines:
-            engine.actor.shutdown()
+            engine.shutdown()

@@ -31,9 +31,9 @@ def test_requests_go_to_the_replica_holding_their_adapter_unless_it_is_overloade
         assert asyncio.run(router.choose_replicas(replicas, pending_for("chat", prompt)))[0][0] is replicas[3]
     # a holder far more loaded than the others (past imbalance_factor * least + slack) is passed over
     replicas[2].routing_stats["num_running"] = 40
-    assert router.choose(replicas, [1, 2, 3], "sql") is not replicas[2]
+    assert router.choose(replicas, [1, 2, 3], adapter="sql") is not replicas[2]
     # an adapter nobody holds: load decides among all
-    chosen = {router.choose(replicas, [k, k + 1], "new").replica_id for k in range(20)}
+    chosen = {router.choose(replicas, [k, k + 1], adapter="new").replica_id for k in range(20)}
     assert len(chosen) > 1
 
 

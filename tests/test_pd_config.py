@@ -145,8 +145,9 @@ def test_pd_serve_config_builds_the_pd_app(tiny_llama):
     built = build_serve_app(app, tiny_llama)
     ingress = built._bound_deployment
     assert ingress.name == f"{app['args']['app_name']}-ingress"
-    assert [a._bound_deployment.name for a in ingress.init_args if hasattr(a, "_bound_deployment")] == [
-        f"{app['args']['app_name']}-pools"]
+    pools = ingress.init_args[2]  # the ingress's upstream (args, connect, upstream): both pools
+    assert {role: a._bound_deployment.name for role, a in pools.items()} == {
+        role: f"{app['args']['app_name']}-{role}" for role in ("prefill", "decode")}
     broken = copy.deepcopy(app)
     del broken["args"]["num_decode_engines"]
     with pytest.raises(ManifestError, match="num_decode_engines"):
@@ -209,7 +210,7 @@ def test_metrics_families_of_the_pd_shape():
 def test_kv_transfer_counters_stay_monotonic_across_engine_restarts():
     from pagedserve.cluster.serve.pd_client import PDClient
 
-    client = PDClient([object()], [object()], ["p0"], 4, 4)
+    client = PDClient.over_actors([object()], [object()], ["p0"], 4, 4)
 
     def engines(incarnation: str, loaded: int, held: int) -> list[dict]:
         return [{"engine_index": "decode-0", "incarnation": incarnation,
@@ -220,3 +221,62 @@ def test_kv_transfer_counters_stay_monotonic_across_engine_restarts():
     # restarted: its counters start from zero again; the total goes on from 150, the gauge does not
     assert client._kv_totals(engines("b", 10, 0)) == {"loaded_bytes": 160, "held_requests": 0}
     assert client._kv_totals(engines("b", 30, 3)) == {"loaded_bytes": 180, "held_requests": 3}
+
+
+def test_pool_autoscaling_flags_and_the_deployments_they_describe(tiny_llama):
+    from pagedserve.cluster.serve.pd_app import pool_deployment_options
+    from pagedserve.cluster.serve.pd_autoscaling import POLICY_FUNCTION
+
+    args = pd_args(tiny_llama, prefill_min_replicas=1, prefill_max_replicas=3, decode_max_replicas=4,
+                   prefill_target_queued_prompt_tokens=512, decode_target_num_seqs=8, decode_target_kv_usage=0.5,
+                   decode_resources={"decode_node": 1}, prefill_tensor_parallel_size=2,
+                   prefill_resources={"prefill_node": 1}, autoscaling_look_back_period_s=5, app_name="demo")
+    specs = pool_specs(args)
+    prefill = pool_deployment_options(args, specs["prefill"])
+    assert prefill["name"] == "demo-prefill" and "num_replicas" not in prefill
+    scaling = prefill["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["initial_replicas"], scaling["max_replicas"]) == (1, 2, 3)
+    assert scaling["look_back_period_s"] == 5
+    assert scaling["policy"] == {"policy_function": POLICY_FUNCTION, "policy_kwargs": {
+        "metric": "queued_prompt_tokens", "target": 512}}
+    # TP=2: the replica and both ranks in one placement group, every bundle pinned to prefill nodes
+    assert [b["prefill_node"] for b in prefill["placement_group_bundles"]] == [1.0, 1.0, 1.0]
+    decode = pool_deployment_options(args, specs["decode"])
+    assert decode["name"] == "demo-decode"
+    assert (decode["autoscaling_config"]["min_replicas"], decode["autoscaling_config"]["max_replicas"]) == (1, 4)
+    assert decode["autoscaling_config"]["policy"]["policy_kwargs"] == {"metric": "num_seqs", "target": 8,
+                                                                      "kv_usage_target": 0.5}
+    assert decode["ray_actor_options"]["resources"] == {"decode_node": 1.0}
+    assert "placement_group_bundles" not in decode
+    for options in (prefill, decode):
+        assert options["request_router_config"]["request_router_class"].endswith(":PrefixAffinityRouter")
+    fixed = pool_deployment_options(pd_args(tiny_llama), pool_specs(pd_args(tiny_llama))["prefill"])
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    with pytest.raises(ValueError, match="decode_max_replicas"):
+        pd_args(tiny_llama, decode_min_replicas=3, decode_max_replicas=2)
+    with pytest.raises(ValueError, match="prefill_min_replicas"):
+        ServeArgs(model=str(tiny_llama), prefill_min_replicas=1)  # not a PD app
+    parser = build_parser()
+    ns = parser.parse_args(["serve", str(tiny_llama), "--num-prefill-engines", "1", "--num-decode-engines", "1",
+                            "--decode-min-replicas", "1", "--decode-max-replicas", "3",
+                            "--decode-target-kv-usage", "0.7", "--prefill-target-queued-prompt-tokens", "100"])
+    args = serve_args_from(ns)
+    assert (args.decode_min_replicas, args.decode_max_replicas, args.decode_target_kv_usage) == (1, 3, 0.7)
+    assert args.prefill_target_queued_prompt_tokens == 100
+
+
+def test_role_autoscaling_policy_sums_each_roles_signal():
+    from types import SimpleNamespace
+
+    from pagedserve.cluster.serve.pd_autoscaling import RoleAutoscalingPolicy
+
+    prefill = RoleAutoscalingPolicy("queued_prompt_tokens", 100)
+    assert prefill.desired({}) is None  # nothing reported yet: Serve keeps the current target
+    assert prefill.desired({"queued_prompt_tokens": {"a": 150.0, "b": 90.0}, "num_seqs": {"a": 99.0}}) == 2.4
+    decode = RoleAutoscalingPolicy("num_seqs", 4, kv_usage_target=0.5)
+    assert decode.desired({"num_seqs": {"a": 2.0}, "kv_cache_usage": {"a": 0.1}}) == 0.5
+    assert decode.desired({"num_seqs": {"a": 2.0}, "kv_cache_usage": {"a": 0.9, "b": 0.6}}) == 3.0  # KV-bound
+    ctx = SimpleNamespace(aggregated_metrics=None, target_num_replicas=2)
+    assert decode(ctx) == (2, {})
+    with pytest.raises(ValueError, match="kv_usage_target"):
+        RoleAutoscalingPolicy("num_seqs", 4, kv_usage_target=1.5)

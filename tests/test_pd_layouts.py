@@ -83,7 +83,7 @@ class PD:
     async def __aenter__(self) -> "PD":
         await wait_pool_ready(self.prefill, 300)
         await wait_pool_ready(self.decode, 300)
-        self.client = PDClient(self.prefill.handles, self.decode.handles, self.prefill.names,
+        self.client = PDClient.over_actors(self.prefill.handles, self.decode.handles, self.prefill.names,
                                prefill_block_size=4, decode_block_size=4, stats_interval_s=0.1)
         self.client.start()
         return self
@@ -245,7 +245,7 @@ def test_producer_killed_before_the_read_makes_the_consumer_recompute(tp2_tp1, e
                                                        "kv_transfer_params": {"do_remote_decode": True}}):
                 params = (await ref).kv_transfer_params or params
             assert params is not None and len(params["remote_addresses"]) == 2
-            ranks = await producer.kv_rank_actors.remote()
+            ranks = await producer.kv_rank_endpoints.remote()
             ray.kill(producer, no_restart=True)  # its rank actors die with it
             pools.dead.append(producer)
             for actor, call in [(producer, "get_stats"), *((rank, "ping") for rank in ranks)]:

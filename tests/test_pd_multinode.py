@@ -67,7 +67,7 @@ def test_prefill_and_decode_pools_on_different_nodes(cluster, tiny_model_factory
         ready = {"prefill": await wait_pool_ready(prefill, 300), "decode": await wait_pool_ready(decode, 300)}
         assert ready["prefill"][0]["node_id"] == cluster["prefill"]
         assert ready["decode"][0]["node_id"] == cluster["decode"]
-        client = PDClient(prefill.handles, decode.handles, prefill.names, 4, 4, stats_interval_s=0.1)
+        client = PDClient.over_actors(prefill.handles, decode.handles, prefill.names, 4, 4, stats_interval_s=0.1)
         client.start()
         try:
             async def tokens(i: int, prompt: list[int]) -> list[int]:

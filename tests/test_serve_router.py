@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from pagedserve.cluster.serve.routing_policy import prefix_hashes
-from pagedserve.cluster.serve.router import PrefixAffinityRouter, prompt_of, short_hash
+from pagedserve.cluster.serve.router import PrefixAffinityRouter, prompt_of
+from pagedserve.cluster.serve.routing_policy import short_hash
 
 BLOCK = 4
 
@@ -211,3 +212,20 @@ def test_breaker_settings_are_checked():
         CircuitBreaker(failure_threshold=0)
     with pytest.raises(ValueError, match="cooldown_s"):
         CircuitBreaker(cooldown_s=-1)
+
+
+def test_a_producers_kv_calls_go_to_the_replica_they_name_or_fail_fast_elsewhere():
+    """kv_read / kv_release / kv_rank_endpoints name their replica: the router sends them there, whatever the
+    load; when that replica is gone they go to another, which refuses them (EngineHost._check_pinned)."""
+    router, replicas = make_router(3)
+    replicas[1].routing_stats["num_running"] = 50  # the busiest: the policy would never pick it
+    for method in ("kv_read", "kv_release", "kv_rank_endpoints"):
+        call = SimpleNamespace(metadata=SimpleNamespace(call_method=method), args=[], kwargs={"replica": "r1"})
+        assert asyncio.run(router.choose_replicas(replicas, call)) == [[replicas[1]]]
+    gone = SimpleNamespace(metadata=SimpleNamespace(call_method="kv_read"), args=[], kwargs={"replica": "r9"})
+    ranks = asyncio.run(router.choose_replicas(replicas, gone))
+    assert len(ranks) == 1 and len(ranks[0]) == 1 and ranks[0][0] is not replicas[1]
+    # A generate call naming a replica keyword is routed by the policy as always.
+    call = SimpleNamespace(metadata=SimpleNamespace(call_method="generate"), args=["q", SHARED, {}],
+                           kwargs={"replica": "r1"})
+    assert asyncio.run(router.choose_replicas(replicas, call))[0] != [replicas[1]]

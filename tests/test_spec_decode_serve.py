@@ -13,7 +13,7 @@ import time
 import pytest
 from pagedserve.cli import main
 from pagedserve.cluster.serve.coordinator import DPCoordinator, EngineState
-from pagedserve.cluster.serve.engine_actor import EngineActor
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.cluster.serve.client import ServeEngineClient
 from pagedserve.cluster.serving.app import build_fastapi_app
@@ -53,7 +53,7 @@ class TwoEngineServer:
 
     def __init__(self, model: str, speculative_config: dict | None) -> None:
         kwargs = {"model": model, **ENGINE, "speculative_config": speculative_config}
-        self.actors = [EngineActor(kwargs, i, max_pending_requests=64) for i in range(2)]
+        self.actors = [EngineHost(kwargs, i, max_pending_requests=64) for i in range(2)]
         self.coordinator = DPCoordinator([LocalHandle(a) for a in self.actors], block_size=4, stats_interval_s=0.05)
         self.coordinator.start()
         args = ServeArgs(model=model, served_model_name="tiny", api_key=None)

@@ -52,6 +52,18 @@ class RayExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         return self.group.call_all(method, args, kwargs)
 
+    def rank_rpc(self, rank: int, method: str, args: tuple = ()) -> Any:
+        if not 0 <= rank < len(self.group.actors):
+            raise ConnectionError(f"rank {rank!r}: this engine has {len(self.group.actors)} ranks")
+        return ray.get(self.group.actors[rank].execute_method.remote(method, *args))
+
+    def kv_rank_endpoints(self) -> list:
+        """Every rank is a Ray actor that answers `kv_read` itself (its own concurrency group)."""
+        return list(self.group.actors)
+
+    def rank_node_ids(self) -> list[str | None]:
+        return [rank.node_id for rank in self.group.ranks]
+
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         return self.group.execute_model_async(scheduler_output)
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible service on Ray Serve: an engine deployment behind a replicated ingress.
 
-- `<app>-engine` (`PagedServeEngine`): one replica = one headless engine. `num_replicas` is the
+- `<app>-engine` (`engine_host.EngineHost`): one replica = one headless engine. `num_replicas` is the
   data-parallel size, or `autoscaling_config` (min/max replicas, target ongoing requests, delays)
   makes it elastic. With TP/PP > 1 its placement group bundles hold the ranks. Requests reach it
   through the `router.PrefixAffinityRouter` (request_router_config).
@@ -21,14 +21,14 @@ from typing import Any
 
 from ray import serve
 
-from pagedserve.cluster.serve.engine_deployment import PagedServeEngine
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.ingress import PagedServeIngress, connect_engines
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.settings import ServeArgs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PagedServeEngine", "PagedServeIngress", "ROUTER_CLASS", "build_app", "build_fastapi_app",
+__all__ = ["EngineHost", "PagedServeIngress", "ROUTER_CLASS", "build_app", "build_fastapi_app",
            "engine_deployment_options", "server_url", "shutdown_server", "start_server", "stop_server"]
 
 ROUTER_CLASS = "pagedserve.cluster.serve.router:PrefixAffinityRouter"
@@ -37,15 +37,46 @@ ROUTER_CLASS = "pagedserve.cluster.serve.router:PrefixAffinityRouter"
 def engine_deployment_options(args: ServeArgs, cluster_resources: dict[str, float] | None = None) -> dict[str, Any]:
     """Serve options of the engine deployment: replicas or autoscaling, resources / placement group
     bundles, the request router, health checks and the graceful-shutdown window."""
+    options = engine_replica_options(args, f"{args.app_name}-engine", args.engine_kwargs(), cluster_resources)
+    if args.autoscaling:
+        low = args.min_replicas if args.min_replicas is not None else 1
+        options["autoscaling_config"] = {
+            "min_replicas": low,
+            "initial_replicas": max(low, 1, min(args.data_parallel_size, args.max_replicas or low)),
+            "max_replicas": args.max_replicas if args.max_replicas is not None else max(low, args.data_parallel_size),
+            "target_ongoing_requests": args.target_ongoing_requests,
+            "upscale_delay_s": args.upscale_delay_s,
+            "downscale_delay_s": args.downscale_delay_s,
+            **look_back(args),
+        }
+    else:
+        options["num_replicas"] = args.data_parallel_size
+    return options
+
+
+def look_back(args: ServeArgs) -> dict[str, float]:
+    """Serve's metrics window when the operator set one (unset: Serve's own, the same 30 s)."""
+    if "autoscaling_look_back_period_s" not in args.model_fields_set:
+        return {}
+    return {"look_back_period_s": args.autoscaling_look_back_period_s}
+
+
+def engine_replica_options(args: ServeArgs, name: str, engine_kwargs: dict[str, Any],
+                           cluster_resources: dict[str, float] | None = None,
+                           custom_resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """What every engine deployment (monolithic, prefill, decode) sets, but its replica count: resources
+    (plus `custom_resources` on the replica and on every rank bundle), placement group bundles for TP/PP,
+    the request router, health checks and the graceful-shutdown window."""
     from pagedserve.cluster.executor.placement import plan_engine_placement
 
-    engine_kwargs = args.engine_kwargs()
     placement = plan_engine_placement(engine_kwargs, cluster_resources or {})
-    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    world = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
+    actor_options = placement.actor_options(args.num_cpus_per_engine)
+    custom = dict(custom_resources or {})
     options: dict[str, Any] = {
-        "name": f"{args.app_name}-engine",
+        "name": name,
         "max_ongoing_requests": args.max_pending_requests,
-        "ray_actor_options": placement.actor_options(args.num_cpus_per_engine),
+        "ray_actor_options": actor_options,
         "health_check_period_s": 5,
         "health_check_timeout_s": 60,
         "graceful_shutdown_wait_loop_s": 1.0,
@@ -59,25 +90,17 @@ def engine_deployment_options(args: ServeArgs, cluster_resources: dict[str, floa
             "request_routing_stats_timeout_s": max(5.0, 5 * args.routing_stats_period_s),
         },
     }
-    if args.autoscaling:
-        low = args.min_replicas if args.min_replicas is not None else 1
-        options["autoscaling_config"] = {
-            "min_replicas": low,
-            "initial_replicas": max(low, 1, min(args.data_parallel_size, args.max_replicas or low)),
-            "max_replicas": args.max_replicas if args.max_replicas is not None else max(low, args.data_parallel_size),
-            "target_ongoing_requests": args.target_ongoing_requests,
-            "upscale_delay_s": args.upscale_delay_s,
-            "downscale_delay_s": args.downscale_delay_s,
-        }
-    else:
-        options["num_replicas"] = args.data_parallel_size
-    if world > 1 and args.executor_backend == "ray":
-        rank: dict[str, float] = {"CPU": float(args.num_cpus_per_worker)}
+    backend = engine_kwargs.get("distributed_executor_backend") or ("ray" if world > 1 else "uni")
+    if world > 1 and backend == "ray":
+        rank: dict[str, float] = {"CPU": float(args.num_cpus_per_worker), **custom}
         if placement.device == "cuda":
             rank["GPU"] = 1.0
         # Bundle 0 holds the replica itself; the ranks follow (`ray_executor` schedules them there).
-        options["placement_group_bundles"] = [{"CPU": float(args.num_cpus_per_engine)}] + [dict(rank)] * world
+        options["placement_group_bundles"] = [{"CPU": float(args.num_cpus_per_engine), **custom}] + \
+            [dict(rank) for _ in range(world)]
         options["placement_group_strategy"] = args.placement_group_strategy
+    elif custom:
+        options["ray_actor_options"] = {**actor_options, "resources": custom}
     return options
 
 
@@ -124,8 +147,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         check_engine_placeable(validated, options)
     engine_kwargs = pinned_engine_kwargs(validated.engine_kwargs(),
                                          plan_engine_placement(validated.engine_kwargs(), resources))
-    engine = serve.deployment(PagedServeEngine).options(**options).bind(
-        engine_kwargs, validated.max_pending_requests)
+    engine = serve.deployment(EngineHost).options(**options).bind(
+        engine_kwargs, max_pending_requests=validated.max_pending_requests)
     ingress_args = validated.to_dict()
     return PagedServeIngress.options(name=f"{validated.app_name}-ingress",
                                      num_replicas=validated.num_ingress_replicas).bind(ingress_args, connect_engines, engine)

@@ -28,7 +28,7 @@ from pagedserve.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
-def _own_internal_request_id() -> Iterator[str]:
+def own_internal_request_id() -> Iterator[str]:
     """Give the handle call made inside its own internal request id.
 
     Serve's router matches a routing decision to its pending request by the internal request id, which
@@ -75,7 +75,7 @@ class ServeEngineClient:
         The request's outcome feeds the router's circuit breaker: the replica died under it or the engine
         ended it with an error (a failure), or it finished (a success); bad input, refusals for load and
         a caller that stopped reading say nothing about the engine."""
-        with _own_internal_request_id() as internal_id:
+        with own_internal_request_id() as internal_id:
             # The prompt stays the second positional argument: the request router reads it there.
             extra = {} if pooling_params is None else {"pooling_params": pooling_params}
             response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params,

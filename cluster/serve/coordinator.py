@@ -211,10 +211,10 @@ class DPCoordinator:
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             args = (request_id, prompt, sampling_params, priority)
-            # EngineActor.generate's fifth argument, `final_only`, sent only when set: a streaming call
+            # EngineHost.generate's fifth argument, `final_only`, sent only when set: a streaming call
             # stays the plain four-argument one that any engine handle (or test double) answers.
-            if pooling_params is not None:  # an embedding (EngineActor.generate's sixth argument)
-                stream = state.handle.generate.remote(*args, True, pooling_params)
+            if pooling_params is not None:  # an embedding (EngineHost.generate's `pooling_params`)
+                stream = state.handle.generate.remote(*args, True, pooling_params=pooling_params)
             elif final_only:
                 stream = state.handle.generate.remote(*args, True)
             else:

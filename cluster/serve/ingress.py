@@ -4,8 +4,9 @@ client that a factory builds in the replica.
 `<app>-ingress` (`PagedServeIngress`) is stateless: HTTP, auth, validation, tokenization, chat
 templates, SSE; any replica serves any request. What differs between shapes is only how a replica
 reaches the engines: `connect_engines` (a handle to the engine deployment, `client.ServeEngineClient`)
-or `pd_app.connect_pools` (the PD client over both pools). A factory is a module-level coroutine
-function `(args, upstream) -> EngineConnection`, so it pickles by name into the replica.
+or `pd_app.connect_pd` (the PD client over handles to the prefill and decode deployments). A factory is
+a module-level coroutine function `(args, upstream) -> EngineConnection`, so it pickles by name into
+the replica.
 """
 
 from __future__ import annotations

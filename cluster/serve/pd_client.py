@@ -1,13 +1,21 @@
 """The PD client: what the OpenAI layer needs of "the engines" (`generate`, `abort`, `aggregate_stats`,
 `latest_stats`, `is_healthy`), over a prefill pool and a decode pool.
 
-A request first runs on a prefill engine (least loaded, prefix-affine: `DPCoordinator` over the
-routing policy) with `max_tokens=1`, `n=1` and `kv_transfer_params={"do_remote_decode": True}`; the
-producer keeps the prompt's KV and answers with where it is. Then the request runs on a decode
-engine with the user's own sampling params plus those kv_transfer_params. With n == 1 the client gets
-the prefill's token at once (time to first token is the prefill's) and the decode engine continues
-from it (`continue_remote_output`: it loads the whole prompt's KV it lacks and computes that token's);
-with n > 1 the decode engine computes the last prompt token and generates every output token itself.
+Each pool is an engine client of its own: on Serve (`pd_app`) a `client.ServeEngineClient` over a handle
+to the `<app>-prefill` / `<app>-decode` deployment, whose request router (`router.PrefixAffinityRouter`)
+picks the replica - prefix affinity and load for prefill; load, KV usage and the replica that already
+holds the prompt's prefix for decode - and keeps doing so while replicas come and go; in-process
+(`PDClient.over_actors`: tests, offline use) a `DPCoordinator` over engine actors, with the same policy.
+Holds are released through `release(engine_id, hold id, hold token)`, which reaches the producer that
+`remote_engine_id` names (a Serve call pinned to that replica, or the named actor).
+
+A request first runs on a prefill engine with `max_tokens=1`, `n=1` and
+`kv_transfer_params={"do_remote_decode": True}`; the producer keeps the prompt's KV and answers with
+where it is. Then the request runs on a decode engine with the user's own sampling params plus those
+kv_transfer_params. With n == 1 the client gets the prefill's token at once (time to first token is the
+prefill's) and the decode engine continues from it (`continue_remote_output`: it loads the whole
+prompt's KV it lacks and computes that token's); with n > 1 the decode engine computes the last prompt
+token and generates every output token itself.
 Either way what the client receives (streaming, n, logprobs, stop strings, seeds, usage) is the
 monolithic engine's.
 
@@ -32,7 +40,7 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,27 +103,52 @@ def first_token_delta(user: dict[str, Any], outputs: list[RequestOutput]) -> Req
     return first
 
 
-class PDClient:
-    """Lives in the HTTP ingress process; holds both pools' engine actor handles."""
+# release(producer engine id, hold id, hold token): frees a producer's hold (fire and forget).
+Release = Callable[[str, str, "str | None"], None]
 
-    def __init__(self, prefill_engines: list[Any], decode_engines: list[Any], prefill_names: list[str],
-                 prefill_block_size: int, decode_block_size: int, **coordinator_kwargs: Any) -> None:
-        if len(prefill_names) != len(prefill_engines):
-            raise ValueError("prefill_names: one name per prefill engine")
-        self.prefill = DPCoordinator(prefill_engines, prefill_block_size, **coordinator_kwargs)
-        self.decode = DPCoordinator(decode_engines, decode_block_size, **coordinator_kwargs)
-        self.prefill.name, self.decode.name = "prefill", "decode"
-        self._producers = dict(zip(prefill_names, prefill_engines))
+
+def _engine_label(engine: dict[str, Any], index: int) -> str:
+    replica = engine.get("replica")
+    return str(replica) if replica not in (None, "local") else str(index)
+
+
+class PDClient:
+    """Lives in the HTTP ingress process; drives a prefill pool and a decode pool (two engine clients)."""
+
+    def __init__(self, prefill: Any, decode: Any, release: Release) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self._release_hold = release
         self.counters = PDCounters()
         # The engines' KV-transfer figures, per engine label: counters monotonic across engine restarts.
         self.kv_counters = FleetCounters(gauges=KV_GAUGES)
 
+    @classmethod
+    def over_actors(cls, prefill_engines: list[Any], decode_engines: list[Any], prefill_names: list[str],
+                    prefill_block_size: int, decode_block_size: int, **coordinator_kwargs: Any) -> "PDClient":
+        """Both pools as engine actors (`engine_actor`/`pd_pools`, named by `prefill_names`), each driven by
+        an in-process `DPCoordinator`."""
+        if len(prefill_names) != len(prefill_engines):
+            raise ValueError("prefill_names: one name per prefill engine")
+        producers = dict(zip(prefill_names, prefill_engines))
+
+        def release(engine_id: str, hold_id: str, hold_token: str | None) -> None:
+            handle = producers.get(engine_id)
+            if handle is not None:
+                handle.kv_release.remote(hold_id, hold_token)
+
+        prefill = DPCoordinator(prefill_engines, prefill_block_size, **coordinator_kwargs)
+        decode = DPCoordinator(decode_engines, decode_block_size, **coordinator_kwargs)
+        prefill.name, decode.name = "prefill", "decode"  # what traces and overhead metrics call the pools
+        return cls(prefill, decode, release)
+
     def start(self) -> None:
-        self.prefill.start()
-        self.decode.start()
+        for pool in (self.prefill, self.decode):
+            if hasattr(pool, "start"):  # an in-process coordinator polls its engines
+                pool.start()
 
     async def stop(self) -> None:
-        await asyncio.gather(self.prefill.stop(), self.decode.stop())
+        await asyncio.gather(*(pool.stop() for pool in (self.prefill, self.decode) if hasattr(pool, "stop")))
 
     # ------------------------------------------------------------------ requests
 
@@ -212,11 +245,11 @@ class PDClient:
 
     def _release(self, remote: dict[str, Any]) -> None:
         """Free the producer's hold (fire and forget: a dead producer's blocks went with it)."""
-        handle = self._producers.get(remote.get("remote_engine_id"))
-        if handle is None:
+        engine_id = remote.get("remote_engine_id")
+        if not isinstance(engine_id, str):
             return
         try:
-            handle.kv_release.remote(remote["remote_request_id"], remote.get("remote_hold_token"))
+            self._release_hold(engine_id, remote["remote_request_id"], remote.get("remote_hold_token"))
         except Exception as exc:  # noqa: BLE001 - its hold times out anyway
             logger.debug("release of %s failed: %s", remote.get("remote_request_id"), exc)
 
@@ -237,9 +270,11 @@ class PDClient:
         pools = {"prefill": self.prefill.aggregate_stats(), "decode": self.decode.aggregate_stats()}
         out: dict[str, Any] = {key: sum(int(p.get(key, 0)) for p in pools.values()) for key in (*COUNTER_KEYS,
                                                                                                  *GAUGE_KEYS)}
-        engines = [{**e, "pool": pool, "engine_index": f"{pool}-{i}"}
+        # Labelled by pool and Serve replica id, or by pool and position (in-process coordinator's engines).
+        engines = [{**e, "pool": pool, "engine_index": f"{pool}-{_engine_label(e, i)}"}
                    for pool, stats in pools.items() for i, e in enumerate(stats["engines"])]
-        usages = [float(e.get("kv_cache_usage", 0.0)) for e in engines if e.get("available") and "kv_cache_usage" in e]
+        usages = [float(e.get("kv_cache_usage", 0.0)) for e in engines
+                  if e.get("available", True) and "kv_cache_usage" in e]
         out["kv_cache_usage"] = sum(usages) / len(usages) if usages else 0.0
         for key in ("num_engines", "num_healthy_engines", "num_in_flight"):
             out[key] = sum(int(p.get(key, 0)) for p in pools.values())

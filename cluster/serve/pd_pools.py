@@ -1,5 +1,6 @@
-"""Prefill and decode pools: groups of headless engine actors (`cluster/serve/engine_actor.py`) with a KV
-connector, placed by Ray.
+"""Prefill and decode pools: what each pool is (`PoolSpec`: its role, engines, KV connector, resources),
+shared by the PD Serve app (`pd_app`, one deployment per pool), and pools of plain engine actors
+(`start_pool`) that `PDClient.over_actors` drives in-process, without Serve (offline use, tests).
 
 Every engine of a pool is a named, restartable engine actor whose engine runs the pool's KV role:
 `kv_producer` for the prefill pool, `kv_consumer` for the decode pool. Its `engine_id` and the Ray
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,7 +23,8 @@ from pydantic import SecretStr
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.cluster.serve.engine_actor import EngineActor, engine_actor_options
+from pagedserve.cluster.serve.engine_actor import engine_actor_options
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.engine.config import EngineConfig
 from pagedserve.kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
 
@@ -59,13 +60,21 @@ class PoolSpec:
                 raise ValueError(f"{self.role}_resources: custom resources with positive amounts only, "
                                  f"got {name}={amount}")
 
-    def engine_kwargs_for(self, actor_name: str, namespace: str) -> dict[str, Any]:
-        extra = {**self.kv_connector_extra_config, "ray_actor_name": actor_name, "ray_namespace": namespace}
-        kv_transfer_config = {"kv_connector": self.kv_connector, "kv_role": KV_ROLES[self.role],
-                              "engine_id": actor_name, "kv_connector_extra_config": extra}
+    def kv_transfer_config(self, engine_id: str | None = None, **extra: Any) -> dict[str, Any]:
+        """The pool's kv_transfer_config (a Serve replica fills in its own engine_id and address:
+        `engine_host.in_replica_engine_kwargs`)."""
+        config: dict[str, Any] = {"kv_connector": self.kv_connector, "kv_role": KV_ROLES[self.role],
+                                  "kv_connector_extra_config": {**self.kv_connector_extra_config, **extra}}
+        if engine_id is not None:
+            config["engine_id"] = engine_id
         if self.kv_secret is not None:
-            kv_transfer_config["kv_secret"] = self.kv_secret  # pickles to the engine actor as the SecretStr
-        return {**self.engine_kwargs, "kv_transfer_config": kv_transfer_config}
+            config["kv_secret"] = self.kv_secret  # pickles to the engine as the SecretStr
+        return config
+
+    def engine_kwargs_for(self, actor_name: str, namespace: str) -> dict[str, Any]:
+        """A named engine actor's kwargs (`start_pool`): its engine_id and Ray transport address are its name."""
+        return {**self.engine_kwargs, "kv_transfer_config": self.kv_transfer_config(
+            actor_name, ray_actor_name=actor_name, ray_namespace=namespace)}
 
 
 def deployment_kv_secret() -> SecretStr | None:
@@ -111,7 +120,7 @@ def start_pool(spec: PoolSpec, name_prefix: str, namespace: str | None = None,
     concurrency = spec.max_pending_requests + 64
     options, pinned = engine_actor_options(base, spec.num_cpus_per_engine, resources,
                                            max_restarts=max_restarts, max_concurrency=concurrency)
-    actor_cls = ray.remote(EngineActor)
+    actor_cls = ray.remote(EngineHost)
     pool = EnginePool(spec, [], namespace, [])
     for index in range(spec.num_engines):
         name = f"{name_prefix}-{spec.role}-{index}"
@@ -167,6 +176,3 @@ async def wait_pool_ready(pool: EnginePool, timeout_s: float = 600.0) -> list[di
     return answers
 
 
-def unique_prefix(app_name: str) -> str:
-    """Actor names of one pools incarnation (a restarted pools replica never collides with the last one's)."""
-    return f"{app_name}-pd-{uuid.uuid4().hex[:8]}"

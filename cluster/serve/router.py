@@ -8,7 +8,7 @@ Selected in the Serve config of the engine deployment:
       request_routing_stats_period_s: 1
 
 Each engine replica reports its load and a bounded set of the prompt-prefix hashes it served as
-routing stats (`engine_deployment.PagedServeEngine.record_routing_stats`); Serve delivers them to
+routing stats (`engine_host.EngineHost.record_routing_stats`); Serve delivers them to
 every router. For a `generate(request_id, prompt_token_ids, ...)` call the router runs
 `routing_policy.RoutingPolicy` over the live replicas: load = requests this router has in flight on
 the replica (or Serve's cached queue length, whichever is larger) + the replica's waiting + running
@@ -28,6 +28,10 @@ offload, against its load (routing_policy.choose_by_holdings); a replica whose v
 approximately (what it reported serving). It predicts the request's cached tokens and checks the
 prediction against what the engine found (`observe_cached`, from the engine client). Replicas that
 publish no events at all are routed by the approximate policy alone, as before.
+
+A PD consumer's calls to a producer engine (`kv_rank_endpoints`, `kv_read`, `kv_release`, each naming
+the replica it is for in its `replica` keyword: cluster/pd/ray_transport.py) skip the policy: they go to
+that replica, or, when it is gone, to any other, which refuses them at once (`EngineHost._check_pinned`).
 
 Every router instance in a process registers itself (`router_registry`), so that the ingress can build
 /metrics from the replicas' routing stats and the routing decisions without an RPC.
@@ -50,7 +54,7 @@ from pagedserve.cluster.serve.kv_index import ClusterKVIndex, PredictionCounters
 from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.router_registry import register
 from pagedserve.cluster.serve.routing_policy import (
-    Holding, RoutingParams, RoutingPolicy, engine_load, prefer_holders, prefix_hashes,
+    Holding, RoutingParams, RoutingPolicy, engine_load, prefer_holders, prefix_hashes, short_hash,
 )
 from pagedserve.engine.lora.request import SAMPLING_KEY
 
@@ -99,6 +103,18 @@ def request_of(pending_request: PendingRequest | None) -> tuple[str | None, str 
     request_id = args[0] if args else kwargs.get("request_id")
     salt = kwargs.get("cache_salt", args[5] if len(args) > 5 else None)
     return (request_id if isinstance(request_id, str) else None), (salt if isinstance(salt, str) else None)
+
+
+# Engine host methods whose calls name the one replica they are for.
+PINNED_METHODS = frozenset({"kv_rank_endpoints", "kv_read", "kv_release"})
+
+
+def pinned_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica id a pinned call names, else None."""
+    if pending_request is None or pending_request.metadata.call_method not in PINNED_METHODS:
+        return None
+    replica = pending_request.kwargs.get("replica")
+    return replica if isinstance(replica, str) else None
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -152,15 +168,15 @@ class PrefixAffinityRouter(RequestRouter):
         return cached[1]
 
     def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
-               adapter: str | None = None, cache_salt: str | None = None,
-               request_id: str | None = None) -> RunningReplica:
+               cache_salt: str | None = None, request_id: str | None = None,
+               adapter: str | None = None) -> RunningReplica:
         """The policy's choice among `replicas` for this prompt (None: load only), among the replicas that hold
         its LoRA `adapter` first (`prefer_holders`); remembers the prefix."""
-        return self._choose(replicas, prompt, adapter, cache_salt, request_id)[0]
+        return self._choose(replicas, prompt, cache_salt, request_id, adapter)[0]
 
     def _choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
-                adapter: str | None = None, cache_salt: str | None = None,
-                request_id: str | None = None) -> tuple[RunningReplica, str]:
+                cache_salt: str | None = None, request_id: str | None = None,
+                adapter: str | None = None) -> tuple[RunningReplica, str]:
         by_id = {r.replica_id: r for r in replicas}
         for r in replicas:
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
@@ -251,14 +267,18 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pinned = pinned_replica(pending_request)
+        if pinned is not None:
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == pinned]
+            return [named or [min(candidate_replicas, key=self.replica_load)]]
         request_id, cache_salt = request_of(pending_request)
         adapter = adapter_of(pending_request)
         prompt = prompt_of(pending_request)
         if request_id is None:
-            choice = self.choose(candidate_replicas, prompt, adapter, cache_salt)
+            choice = self.choose(candidate_replicas, prompt, cache_salt, adapter=adapter)
         else:
             choice, record = timed_choice(
-                lambda: self._choose(candidate_replicas, prompt, adapter, cache_salt, request_id),
+                lambda: self._choose(candidate_replicas, prompt, cache_salt, request_id, adapter),
                 candidate_replicas, self.replica_load, self._deployment_id.name,
                 name=lambda replica: replica.replica_id.unique_id)
             self.route_log.record(request_id, record)
@@ -349,8 +369,3 @@ def _ray_decision_counter() -> Any:
                        tag_keys=("decision", "deployment", "application"))
     except Exception:  # noqa: BLE001 - metrics are optional; routing is not
         return None
-
-
-def short_hash(block_hash: bytes) -> str:
-    """How a prefix hash travels in routing stats: 16 hex digits (64 bits) of the SHA-256."""
-    return block_hash[:8].hex()

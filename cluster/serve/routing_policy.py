@@ -86,6 +86,11 @@ def prefer_holders(candidates: Sequence[K], load: Callable[[K], float], holds: C
     return list(candidates)
 
 
+def short_hash(block_hash: bytes) -> str:
+    """How a prefix hash travels in routing stats: 16 hex digits (64 bits) of the SHA-256."""
+    return block_hash[:8].hex()
+
+
 @dataclass
 class RoutingParams:
     """The policy's knobs (validated: a bad value is a ValueError naming the field)."""

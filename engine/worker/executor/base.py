@@ -61,6 +61,20 @@ class Executor(ABC):
         ranks live elsewhere (their readers' releases then reach the engine through `release_kv`)."""
         return []
 
+    def rank_rpc(self, rank: int, method: str, args: tuple = ()) -> Any:
+        """Call `Worker.<method>` on one rank (beside `collective_rpc`): how a PD consumer's KV read reaches
+        a producer rank through its engine (`Worker.kv_read`)."""
+        raise NotImplementedError(f"{type(self).__name__}: no rank_rpc")
+
+    def kv_rank_endpoints(self) -> list:
+        """Per rank, an object a PD consumer may send `kv_read` to directly (a rank living in its own
+        process, e.g. a Ray actor), or None for a rank in this process (read through `rank_rpc`)."""
+        return [None] * self.config.world_size
+
+    def rank_node_ids(self) -> list[str | None]:
+        """Per rank, the cluster node it runs on (None: this process's, unknown here)."""
+        return [None] * self.config.world_size
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 

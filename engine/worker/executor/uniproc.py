@@ -43,6 +43,13 @@ class UniProcExecutor(Executor):
             return super().execute_model_async(scheduler_output)
         return self._step_thread.submit(self.worker.execute_model, scheduler_output)
 
+    def rank_rpc(self, rank: int, method: str, args: tuple = ()) -> Any:
+        """Called on the caller's thread, not the step thread: the one rank call made beside a running step
+        is `kv_read`, which reads only a finished prefill's held blocks (no step writes them)."""
+        if rank != 0:
+            raise ConnectionError(f"rank {rank!r}: this engine has one rank, in this process")
+        return getattr(self.worker, method)(*args)
+
     def local_kv_sources(self) -> list:
         source = getattr(self.worker.model_runner.kv_hooks, "source", None)
         return [] if source is None else [source]
