@@ -213,8 +213,9 @@ class DPCoordinator:
             args = (request_id, prompt, sampling_params, priority)
             # EngineHost.generate's fifth argument, `final_only`, sent only when set: a streaming call
             # stays the plain four-argument one that any engine handle (or test double) answers.
-            if pooling_params is not None:  # an embedding (EngineHost.generate's `pooling_params`)
-                stream = state.handle.generate.remote(*args, True, pooling_params=pooling_params)
+            if pooling_params is not None:  # an embedding: EngineHost.generate(..., final_only, cache_salt
+                # (already in the prompt), pooling_params), positionally as every engine handle takes it
+                stream = state.handle.generate.remote(*args, True, None, pooling_params)
             elif final_only:
                 stream = state.handle.generate.remote(*args, True)
             else:
