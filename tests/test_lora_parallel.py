@@ -32,7 +32,7 @@ def _lora_body(ctx: ParallelContext, model_dir: str, adapter: str, reference: di
     lora = LoRAManager(model, max_loras=2, max_rank=8, max_cpu_loras=2, device=torch.device("cpu"),
                        dtype=torch.float32)
     request = LoRARequest("adapter", 1, adapter)
-    lora.update(SchedulerOutput([NewRequestData("r", [1], [], SamplingParams(), [], 0, set(), [], request)], [], {},
+    lora.update(SchedulerOutput([NewRequestData("r", [1], [], SamplingParams(), [], 0, set(), [], lora_request=request)], [], {},
                                 0))
     wrapper = model.model.layers[0].self_attn.qkv_proj
     q_out = wrapper.base.q_size
