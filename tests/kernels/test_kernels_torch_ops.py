@@ -132,11 +132,19 @@ def test_rope_cache_matches_hf(rope_scaling):
     params = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": theta}
     config = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=head_dim,
                          max_position_embeddings=max_pos, rope_parameters=params)
-    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), torch.arange(max_pos)[None])
+    rotary = LlamaRotaryEmbedding(config)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(max_pos)[None])
     cache = kernels.compute_rope_cos_sin_cache(head_dim, max_pos, theta, rope_scaling, torch.float32)
     assert cache.shape == (max_pos, head_dim)
-    torch.testing.assert_close(cache[:, : head_dim // 2], cos[0, :, : head_dim // 2], atol=1e-6, rtol=0)
-    torch.testing.assert_close(cache[:, head_dim // 2:], sin[0, :, : head_dim // 2], atol=1e-6, rtol=0)
+    # Exactly HF's frequencies, angles and scale, its position x frequency product as one IEEE float32
+    # multiply (HF's own float32 matmul of that product has been off by 1.5e-4 at position 300 when the CPU
+    # backend picked a reduced-precision kernel: HF's output is checked more loosely below).
+    angles = (torch.arange(max_pos, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None, :]).double()
+    scale = float(rotary.attention_scaling)
+    torch.testing.assert_close(cache[:, : head_dim // 2].double(), angles.cos() * scale, atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache[:, head_dim // 2:].double(), angles.sin() * scale, atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache[:, : head_dim // 2], cos[0, :, : head_dim // 2], atol=5e-4, rtol=0)
+    torch.testing.assert_close(cache[:, head_dim // 2:], sin[0, :, : head_dim // 2], atol=5e-4, rtol=0)
 
 
 def test_rope_cache_llama3_inv_freq_uses_hf_init_function():
