@@ -268,3 +268,35 @@ def test_a_draining_engine_hands_its_unfinished_requests_over(engine, tiny_llama
         asyncio.run(run())
     finally:
         draining.shutdown()
+
+
+def test_a_final_only_request_that_failed_after_some_outputs_restarts_without_leftovers():
+    """A PD request streams its first-token delta and continuation even for a caller that reads only the end:
+    when such a try dies after some outputs, the restart's outputs alone reach the caller."""
+    from pagedserve.engine.outputs import CompletionOutput
+
+    def delta(tokens: list[int], finished: bool) -> RequestOutput:
+        completion = CompletionOutput(index=0, text="".join(f"<{t}>" for t in tokens), token_ids=tokens,
+                                      cumulative_logprob=None, logprobs=None,
+                                      finish_reason="length" if finished else None)
+        return RequestOutput(request_id="x", prompt=None, prompt_token_ids=[1, 2], prompt_logprobs=None,
+                             outputs=[completion], finished=finished)
+
+    class DiesOnce:
+        tries = 0
+
+        async def generate(self, request_id, prompt_token_ids, params, priority=0, final_only=False,
+                           cache_salt=None):
+            DiesOnce.tries += 1
+            yield delta([7], False)
+            if DiesOnce.tries == 1:
+                raise EngineDeadError("the decode replica died")
+            yield delta([8, 9], True)
+
+    async def run():
+        client = MigratingClient(DiesOnce(), max_migrations=2)
+        return [o async for o in client.generate("x", [1, 2], {"max_tokens": 3}, final_only=True)]
+
+    outputs = asyncio.run(run())
+    assert [o.outputs[0].token_ids for o in outputs] == [[7], [8, 9]]  # the second try's, once
+    assert all(o.request_id == "x" for o in outputs) and DiesOnce.tries == 2

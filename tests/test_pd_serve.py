@@ -237,17 +237,28 @@ def test_killed_prefill_replica_under_load_recomputes_on_decode(server, http, mo
 
 
 @pytest.mark.slow
-def test_killed_decode_replica_fails_its_requests_and_releases_holds(server, http):
+def test_killed_decode_replica_migrates_its_requests_and_releases_holds(server, http):
+    """A decode replica killed mid-generation: its requests migrate (the ingress's MigratingClient resubmits
+    each as a continuation; with one decode replica they wait for Serve's replacement) or, once their
+    migrations are used up, fail cleanly with 503 engine_dead; every finished one has all its tokens."""
     bodies = [{"prompt": p, "max_tokens": 300, "temperature": 0, "ignore_eos": True} for p in PROMPTS]
+    before = wait_idle(http)
     killed: list[str] = []
     responses = _concurrent(http, bodies, during=lambda: (_wait_running(http, "decode"),
                                                           killed.append(_kill_replica("decode"))))
     codes = sorted(r.status_code for r in responses)
-    assert 503 in codes and set(codes) <= {200, 503}, [r.text[:200] for r in responses]
+    assert set(codes) <= {200, 503}, [r.text[:200] for r in responses]
     for response in responses:
         if response.status_code == 503:
             assert response.json()["error"]["code"] == "engine_dead"
+        else:
+            assert response.json()["usage"]["completion_tokens"] == 300
     _wait_replaced("decode", killed[0])
+    after = wait_idle(http)
+    tried = (metric(after, "pagedserve:request_migrations_total") - metric(before, "pagedserve:request_migrations_total")
+             + metric(after, "pagedserve:request_migration_failures_total")
+             - metric(before, "pagedserve:request_migration_failures_total"))
+    assert tried > 0  # the kill reached requests in flight
     response = post(http, "/v1/completions", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert response.status_code == 200
     # idle_after: the prefill engine holds nothing (the client released what the dead decode never read)

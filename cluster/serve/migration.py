@@ -111,17 +111,24 @@ class MigratingClient:
             self._legs.pop(request_id, None)
 
     async def _restarting(self, request_id: str, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
+        """A caller that reads only the end: each try's outputs are kept until it finishes, so that a try
+        that fails after some outputs (a PD request's first-token delta and continuation stay DELTA even
+        for such a caller) leaves nothing behind when the request starts again."""
         tries = _Tries(request_id)
         while True:
             leg_id = tries.leg_id()
             self._legs[request_id] = [leg_id]
+            outputs: list[RequestOutput] = []
             try:
                 async with contextlib.aclosing(submit(leg_id, params, final_only=True)) as stream:
                     async for output in stream:
-                        yield dataclasses.replace(output, request_id=request_id)
-                return
+                        outputs.append(dataclasses.replace(output, request_id=request_id))
             except (EngineDeadError, EngineOverloadedError) as exc:
                 await self._retry(tries, exc, delivered=0)
+                continue
+            for output in outputs:
+                yield output
+            return
 
     async def _continuing(self, request_id: str, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
         original = SamplingParams(**params)
