@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.resume import resume_params
@@ -274,38 +275,5 @@ def _relabel(request_id: str, leg: _Leg, output: RequestOutput, completions: lis
 async def _merge(legs: list[_Leg]) -> AsyncIterator[tuple[_Leg, RequestOutput]]:
     """Interleave the legs' outputs as (leg, output); the first failure of any leg is raised; closing
     this closes every leg (which aborts what is still running)."""
-    if len(legs) == 1:
-        leg = legs[0]
-        try:
-            async for output in leg.stream:
-                yield leg, output
-        finally:
-            await leg.stream.aclose()  # type: ignore[attr-defined]
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(leg: _Leg) -> None:
-        try:
-            async for output in leg.stream:
-                queue.put_nowait((leg, output))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((leg, exc))
-        finally:
-            queue.put_nowait((leg, end))
-
-    tasks = [asyncio.create_task(pump(leg)) for leg in legs]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            leg, item = await queue.get()
-            if item is end:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield leg, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async for index, output in merge_streams([leg.stream for leg in legs]):
+        yield legs[index], output

@@ -27,7 +27,8 @@ from pagedserve.cluster.serving.formatting import sse
 from pagedserve.cluster.serving.lora import LoRAAdapters, with_adapter
 from pagedserve.cluster.serving.requests import SamplingRequest
 from pagedserve.cluster.settings import ServeArgs
-from pagedserve.cluster.serving.streams import EncodedPrompt, RequestTimer, merge_streams, timed
+from pagedserve.cluster.serving.streams import EncodedPrompt, RequestTimer, timed
+from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.engine.models.default_model import describe_model
 from pagedserve.engine.outputs import RequestOutput
 

@@ -3,7 +3,6 @@ metrics, and collecting DELTA outputs into whole choices."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -11,9 +10,6 @@ from dataclasses import dataclass, field
 from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.cluster.serving.request_stages import RequestStages
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-_END = object()
-
 
 @dataclass
 class EncodedPrompt:
@@ -106,44 +102,6 @@ async def timed(stream: AsyncIterator[RequestOutput], timer: RequestTimer) -> As
             yield output
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
-
-
-async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as (stream index, output); closing this closes them all (aborts)."""
-    if len(streams) == 1:
-        stream = streams[0]
-        try:
-            async for output in stream:
-                yield 0, output
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((i, output))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, _END))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()  # closes each stream inside its task: the coordinator aborts unfinished requests
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def chain(first: tuple[int, RequestOutput], rest: AsyncIterator) -> AsyncIterator[tuple[int, RequestOutput]]:
