@@ -158,8 +158,8 @@ def test_batch_of_prompts_in_one_request(http, hf):
 
 
 def test_shared_prefix_lands_on_one_replica(http):
-    text = wait_all_blocks_free(http, replicas=2)
-    before = metric_samples(text, "pagedserve:engine_prefix_cache_hits")
+    wait_all_blocks_free(http, replicas=2)
+    before = settled_samples(http, "pagedserve:engine_prefix_cache_hits")
     shared = [(5 * k) % 300 + 20 for k in range(8 * BLOCK)]  # 8 full blocks
     reported = {}  # ingress replica -> prefixes reported over all engines, before
     for _ in range(40):
@@ -189,6 +189,27 @@ def test_shared_prefix_lands_on_one_replica(http):
         affine[response.headers["x-pagedserve-ingress"]] = sum(
             value for labels, value in decisions.items() if "prefix_affine" in labels or "exact_hit" in labels)
     assert sum(affine.values()) >= 6
+
+
+def settled_samples(http: httpx.Client, name: str, deadline_s: float = 60.0) -> dict[str, float]:
+    """One metric's per-engine samples once every ingress replica's router reports the same figures.
+
+    Each ingress's router refreshes the engines' stats on its own clock, so right after a test one ingress
+    may still show an engine's figures from before that test's requests: a baseline read from such a stale
+    view would credit the earlier test's prefix hits to this one.
+    """
+    end = time.monotonic() + deadline_s
+    views: dict[str, dict[str, float]] = {}
+    agreeing = 0
+    while True:
+        response = http.get("/metrics")
+        samples = metric_samples(response.text, name)
+        views[response.headers["x-pagedserve-ingress"]] = samples
+        agreeing = agreeing + 1 if len(views) == 2 and all(v == samples for v in views.values()) else 0
+        if agreeing >= 6:  # several reads over both ingresses and a few stats periods, all the same
+            return samples
+        assert time.monotonic() < end, f"ingress views of {name} never agreed: {views}"
+        time.sleep(0.1)
 
 
 def wait_prefixes_known(http: httpx.Client, before: dict[str, float], more: int, deadline_s: float = 60.0) -> None:
