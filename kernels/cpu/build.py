@@ -5,8 +5,10 @@ the build directory is keyed (`build_key()`) by the sources, the torch version a
 Python ABI, the compiler and its flags, and this CPU's model and feature flags: a home directory shared
 by machines of different CPUs never loads a library built for another, and two environments on one
 machine (two venvs, each with its torch) keep one build each instead of rebuilding in turn.
-torch.utils.cpp_extension serialises concurrent builds of one directory (several Ray workers starting
-together) with a lock file.
+Concurrent builds of one directory (several Ray workers starting together) queue on an OS file lock
+(`build_lock`), which dies with its holder: torch.utils.cpp_extension's own lock file stays behind when a
+build is killed (Ctrl-C on the first start, a replica killed while it compiles), and every later load
+would then wait on it forever; under our lock no live build can own it, so a leftover one is removed.
 
     python -m pagedserve.kernels.cpu     # build ahead of time (make install does), print where and how long
 
@@ -15,6 +17,8 @@ PAGEDSERVE_CPU_OPS=0 turns the compiled ops off (the twins run their pure-torch 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -24,6 +28,7 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -65,12 +70,34 @@ def build_key() -> dict[str, str]:
 
 def build_directory() -> Path:
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES:  # by path too: torch's build file names them, two checkouts would rebuild in turn
+        digest.update(f"{src.resolve()}\0".encode())
         digest.update(src.read_bytes())
     for name, value in sorted(build_key().items()):
         digest.update(f"\0{name}={value}".encode())
     root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
     return root / "cpu_ops" / digest.hexdigest()[:16]
+
+
+# torch.utils.cpp_extension's lock file in a build directory (its FileBaton).
+TORCH_BATON = "lock"
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Exclusive use of a build directory among processes, released by the OS if the holder dies; a
+    torch lock file found inside was left by a build that died, and is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "pagedserve-build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = directory / TORCH_BATON
+            if baton.exists():
+                logger.warning("removing %s, left by a CPU-ops build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_cpu_ops() -> bool:
@@ -88,16 +115,16 @@ def load_cpu_ops() -> bool:
         directory = build_directory()
         start = time.perf_counter()
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            load(
-                name="pagedserve_cpu_ops",
-                sources=[str(s) for s in SOURCES],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+            with build_lock(directory):
+                load(
+                    name="pagedserve_cpu_ops",
+                    sources=[str(s) for s in SOURCES],
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=LDFLAGS,
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
         except Exception as exc:  # no compiler, no ninja, a compile error: fall back, say why once
             _state["ok"] = False
             _state["error"] = f"{type(exc).__name__}: {exc}"

@@ -56,6 +56,57 @@ def test_build_directory_is_keyed_by_the_torch_installation_and_the_compiler(mon
     assert build.build_directory() == here  # and back: nothing else feeds the key
 
 
+def test_build_lock_outlives_a_killed_build(tmp_path):
+    """A build killed while it held the lock (its process gone, torch's lock file left in the directory)
+    blocks nobody: the OS releases our lock with the process, and the leftover torch lock is removed."""
+    import signal
+    import time
+
+    from pagedserve.kernels.cpu import build
+
+    directory = tmp_path / "ops"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, sys, time; from pagedserve.kernels.cpu.build import build_lock, TORCH_BATON\n"
+        f"d = pathlib.Path({str(directory)!r})\n"
+        "with build_lock(d):\n"
+        "    (d / TORCH_BATON).write_text('')\n"
+        "    print('holding', flush=True)\n"
+        "    time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        probe = [sys.executable, "-c", (
+            "import fcntl, pathlib, sys\n"
+            f"f = open(pathlib.Path({str(directory)!r}) / 'pagedserve-build.flock', 'a')\n"
+            "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)\n")]
+        assert subprocess.run(probe).returncode == 3  # held while the build runs
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    assert (directory / build.TORCH_BATON).exists()
+    start = time.monotonic()
+    with build.build_lock(directory):
+        assert not (directory / build.TORCH_BATON).exists()
+    assert time.monotonic() - start < 60  # bounded: it did not wait for a lock nobody will release
+
+
+def test_two_checkouts_keep_their_own_build(monkeypatch, tmp_path):
+    """torch's build file names each source by path: checkouts at two paths would rebuild one directory in turn."""
+    from pathlib import Path
+
+    from pagedserve.kernels.cpu import build
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    here = build.build_directory()
+    copies = []
+    for src in build.SOURCES:
+        copy = tmp_path / "other-checkout" / src.name
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_bytes(src.read_bytes())
+        copies.append(Path(copy))
+    monkeypatch.setattr(build, "SOURCES", copies)
+    assert build.build_directory() != here
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size",
