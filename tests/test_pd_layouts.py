@@ -114,7 +114,7 @@ class PD:
         while True:
             figures = [await self.stats(h) for h in (*self.prefill.handles, *self.decode.handles)
                        if not any(h is d for d in self.dead)]
-            idle = [(s["num_free_blocks"], s["num_total_blocks"], s["kv_transfer"].get("held_requests", 0))
+            idle = [(s.num_free_blocks, s.num_total_blocks, s.kv_transfer.get("held_requests", 0))
                     for s in figures]
             if all(free == total and held == 0 for free, total, held in idle):
                 return
