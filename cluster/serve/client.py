@@ -175,8 +175,8 @@ class ServeEngineClient:
 
     def is_healthy(self) -> bool:
         """False when no engine replica is known, or one reports a stall (from the latest routing stats)."""
-        replicas = self.routing_snapshot()["replicas"]
-        return bool(replicas) and all(r.get("healthy", True) for r in replicas)
+        engines = [_entry(replica) for replica in self.routing_snapshot()["replicas"]]
+        return bool(engines) and all(e.healthy for e in engines)
 
 
 def _entry(replica: dict[str, Any]) -> EngineEntry:
