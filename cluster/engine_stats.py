@@ -68,6 +68,8 @@ class EngineFigures:
 COUNTER_KEYS = EngineFigures.figure_names("counter")
 GAUGE_KEYS = EngineFigures.figure_names("gauge")
 ENGINE_FIGURES = EngineFigures.figure_names()
+# The KV-transfer figures (EngineStats.kv_transfer) that are gauges; the rest are cumulative counters.
+KV_TRANSFER_GAUGES = frozenset({"held_requests", "held_blocks"})
 
 
 @dataclass

@@ -15,7 +15,9 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.cluster.engine_stats import COUNTER_KEYS, ENGINE_FIGURES, GAUGE_KEYS, EngineFigures, EngineStats
+from pagedserve.cluster.engine_stats import (
+    COUNTER_KEYS, ENGINE_FIGURES, GAUGE_KEYS, KV_TRANSFER_GAUGES, EngineFigures, EngineStats,
+)
 from pagedserve.engine.spec_decode.metrics import SpecDecodeStats
 
 __all__ = ["COUNTER_KEYS", "ENGINE_FIGURES", "GAUGE_KEYS", "EngineEntry", "FleetAccumulator", "FleetCounters",
@@ -160,7 +162,7 @@ class FleetStats(EngineFigures):
     kv_routing: dict[str, Any] | None = None  # Serve: the KV index's health, predicted vs actual cached tokens
     fault_tolerance: dict[str, Any] | None = None  # circuit breaker, migrations, overload retries
     pools: dict[str, FleetStats] | None = None  # PD: each pool's own snapshot
-    kv_transfer: dict[str, float] | None = None  # PD: the engines' KV-transfer figures summed
+    kv_transfer: dict[str, float] | None = None  # the engines' KV-transfer figures summed; None: no KV connector
     pd: dict[str, int] | None = None  # PD: how the client served requests (pd_client.PDCounters)
     stats_age_s: float | None = None  # in-process, latest_stats(): seconds since the last completed poll
 
@@ -183,20 +185,27 @@ class FleetStats(EngineFigures):
                   for key in (*COUNTER_KEYS, *GAUGE_KEYS, "num_engines", "num_healthy_engines", "num_in_flight")}
         reporting = [e.stats for e in engines if e.available and e.stats is not None]
         means = {key: value for key, value in fleet_gauges(reporting).items() if key not in GAUGE_KEYS}
-        return cls(**summed, **means, engines=engines, pools=dict(pools),
+        kv_transfer: dict[str, float] = {}  # (always a dict: a PD fleet exports its KV figures, zeros included)
+        for pool in pools.values():
+            for key, value in (pool.kv_transfer or {}).items():
+                kv_transfer[key] = kv_transfer.get(key, 0) + value
+        return cls(**summed, **means, engines=engines, pools=dict(pools), kv_transfer=kv_transfer,
                    spec_decoding=sum_spec(p.spec_decoding for p in pools.values()), **extras)
 
 
 class FleetAccumulator:
-    """Builds a client's `FleetStats`: `observe` each engine report as it arrives (counters kept across
-    restarts and departures, `FleetCounters`), then `snapshot` the engines as they stand now."""
+    """Builds a client's `FleetStats`: `observe` each engine report as it arrives (counters - the engine
+    figures, speculative decoding's and KV transfer's - kept across restarts and departures,
+    `FleetCounters`), then `snapshot` the engines as they stand now."""
 
     def __init__(self, max_members: int = MAX_REMEMBERED_MEMBERS) -> None:
         self.counters = FleetCounters(COUNTER_KEYS, max_members=max_members)
+        self.kv_transfer = FleetCounters(gauges=KV_TRANSFER_GAUGES, max_members=max_members)
 
     def observe(self, member: Hashable, stats: EngineStats) -> None:
         """One engine's latest report (its incarnation tells a restart)."""
         self.counters.observe(member, stats.figures("counter"), stats.incarnation, stats.spec_decoding)
+        self.kv_transfer.observe(member, stats.kv_transfer, stats.incarnation)
 
     def snapshot(self, engines: list[EngineEntry], **extras: Any) -> FleetStats:
         """Counters over every member and incarnation seen, gauges over the reachable engines that reported,
@@ -205,4 +214,5 @@ class FleetAccumulator:
         return FleetStats(**self.counters.totals(), **fleet_gauges(reporting), num_engines=len(engines),
                           num_healthy_engines=sum(e.healthy for e in engines),
                           num_in_flight=sum(e.in_flight for e in engines), engines=engines,
-                          spec_decoding=self.counters.spec(), **extras)
+                          spec_decoding=self.counters.spec(), kv_transfer=self.kv_transfer.totals() or None,
+                          **extras)

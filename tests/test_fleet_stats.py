@@ -148,3 +148,11 @@ def test_pools_combine_into_one_fleet_labelled_by_pool():
     assert fleet.kv_cache_usage == pytest.approx(0.4)  # the reporting engines' mean, not the pools' means' mean
     assert fleet.pools == {"prefill": prefill, "decode": decode} and fleet.pd == {"pd_requests": 2}
     assert fleet.spec_decoding["num_drafts"] == SPEC["num_drafts"]
+
+
+def test_kv_transfer_figures_are_kept_across_a_restart_and_absent_without_a_connector():
+    fleet = FleetAccumulator()
+    assert fleet.snapshot([_engine("0", "a")]).kv_transfer is None  # no KV connector: no kv_transfer_* on /metrics
+    fleet.observe("0", EngineStats(incarnation="a", kv_transfer={"loads": 3, "held_requests": 2}))
+    fleet.observe("0", EngineStats(incarnation="b", kv_transfer={"loads": 1, "held_requests": 0}))  # restarted
+    assert fleet.snapshot([]).kv_transfer == {"loads": 4, "held_requests": 0}  # gauges are never carried over

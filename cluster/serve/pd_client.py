@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.serve.coordinator import DPCoordinator
-from pagedserve.cluster.fleet_stats import FleetCounters, FleetStats
+from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.engine.outputs import RequestOutput
@@ -53,8 +53,6 @@ from pagedserve.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
-# KV-transfer figures that are gauges (the rest are cumulative counters).
-KV_GAUGES = frozenset({"held_requests", "held_blocks"})
 
 
 @dataclass
@@ -115,8 +113,6 @@ class PDClient:
         self.decode = decode
         self._release_hold = release
         self.counters = PDCounters()
-        # The engines' KV-transfer figures, per engine label: counters monotonic across engine restarts.
-        self.kv_counters = FleetCounters(gauges=KV_GAUGES)
 
     @classmethod
     def over_actors(cls, prefill_engines: list[Any], decode_engines: list[Any], prefill_names: list[str],
@@ -260,23 +256,16 @@ class PDClient:
     # ------------------------------------------------------------------ stats and health
 
     def aggregate_stats(self) -> FleetStats:
-        """Both pools as one fleet (`FleetStats.over_pools`: engines labelled by pool), with "pools" (each
-        pool's own), "kv_transfer" (the engines' connector figures, summed) and "pd" (this client's counts)."""
-        return self._over_pools(self.prefill.aggregate_stats(), self.decode.aggregate_stats())
-
-    def _over_pools(self, prefill: FleetStats, decode: FleetStats) -> FleetStats:
-        fleet = FleetStats.over_pools({"prefill": prefill, "decode": decode}, pd=vars(self.counters).copy())
-        # The engines' KV-transfer figures summed; counters stay monotonic across engine restarts (a new
-        # incarnation's counts go on top of what the engine had counted before), gauges are the current ones.
-        for engine in fleet.engines:
-            if engine.stats is not None:
-                self.kv_counters.observe(engine.label, engine.stats.kv_transfer, engine.stats.incarnation)
-        fleet.kv_transfer = self.kv_counters.totals()
-        return fleet
+        """Both pools as one fleet (`FleetStats.over_pools`: engines labelled by pool; each pool's counters,
+        KV-transfer ones included, are monotonic across its engines' restarts), with `pools` (each pool's
+        own) and `pd` (this client's counts)."""
+        pools = {"prefill": self.prefill.aggregate_stats(), "decode": self.decode.aggregate_stats()}
+        return FleetStats.over_pools(pools, pd=vars(self.counters).copy())
 
     def latest_stats(self) -> FleetStats:
         """From what each pool last polled (starts an in-process pool's polling if it has not begun)."""
-        return self._over_pools(self.prefill.latest_stats(), self.decode.latest_stats())
+        pools = {"prefill": self.prefill.latest_stats(), "decode": self.decode.latest_stats()}
+        return FleetStats.over_pools(pools, pd=vars(self.counters).copy())
 
     def is_healthy(self) -> bool:
         return self.prefill.is_healthy() and self.decode.is_healthy()
