@@ -11,6 +11,7 @@ as `to_dict()` and comes back with `from_dict()`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -94,10 +95,12 @@ class EngineStats(EngineFigures):
     @classmethod
     def from_scheduler(cls, scheduler: SchedulerStats, **identity: Any) -> EngineStats:
         """The record of an engine whose scheduler reported `scheduler`; `identity`: the other fields
-        (engine_index, replica, incarnation, stats_time, healthy, ...)."""
+        (engine_index, replica, incarnation, stats_time, healthy, ...). The extras are copies: the engine
+        goes on updating its own (an in-process reader gets the record unpickled)."""
         return cls(**{name: getattr(scheduler, name) for name in ENGINE_FIGURES},
-                   kv_transfer=dict(scheduler.kv_transfer or {}), spec_decoding=dict(scheduler.spec_decoding or {}),
-                   lora=dict(scheduler.lora or {}), **identity)
+                   kv_transfer=copy.deepcopy(scheduler.kv_transfer or {}),
+                   spec_decoding=copy.deepcopy(scheduler.spec_decoding or {}), lora=copy.deepcopy(scheduler.lora or {}),
+                   **identity)
 
     def to_dict(self) -> dict[str, Any]:
         """As a plain dict: for Serve's routing stats (which must be one), nowhere else."""

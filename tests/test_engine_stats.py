@@ -39,8 +39,9 @@ def test_the_record_is_built_from_the_scheduler_stats():
     assert stats.healthy is False and stats.num_unfinished == 4
     assert stats.kv_transfer == scheduler.kv_transfer and stats.spec_decoding == SPEC
     assert stats.lora["resident"] == ["sql"]
-    scheduler.kv_transfer["loads"] = 99  # the engine's live dicts are not shared with the record
-    assert stats.kv_transfer["loads"] == 2
+    scheduler.kv_transfer["loads"] = 99  # the engine's live figures are not shared with the record
+    scheduler.spec_decoding["accepted_per_position"][0] = 99
+    assert stats.kv_transfer["loads"] == 2 and stats.spec_decoding["accepted_per_position"][0] == 2
     assert stats.figures("counter")["num_generation_tokens"] == scheduler.num_generation_tokens
     assert set(stats.figures("gauge")) == {"num_running", "num_waiting", "num_free_blocks", "num_total_blocks"}
 
