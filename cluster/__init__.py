@@ -4,8 +4,8 @@
 - `serve/`: Ray Serve deployments (the engine host, the one ingress), request routers, app builders.
 - `executor/`: Ray worker groups, the Ray executor, placement.
 - `pd/`: what is PD-specific about KV over Ray: the Ray KV transport and signed reads.
-- top: what every room reads (`engine_client.EngineClient`, `settings`, `pd_settings`, `fleet_stats`),
-  and the CLI.
+- top: what every room reads (`engine_client.EngineClient`, `settings`, `pd_settings`, `engine_stats`,
+  `fleet_stats`), and the CLI.
 
 Imports run one way (tests/test_layout.py): serving -> top <- serve, pd; serve -> pd, executor.
 Kept free of eager imports so that importing one submodule does not start or import Ray."""

@@ -3,7 +3,8 @@
 One implementation per shape, in cluster/serve/: `client.ServeEngineClient` (the monolithic Serve app:
 a DeploymentHandle to the engine deployment), `pd_client.PDClient` (prefill and decode pools) and
 `coordinator.DPCoordinator` (engine actors driven in-process: the PD pools, benchmarks, tests). Their
-stats share one shape (cluster/fleet_stats.py keeps the cumulative figures restart-aware).
+stats are one typed snapshot, `fleet_stats.FleetStats` (per engine: `engine_stats.EngineStats`), built by
+one restart-aware accumulator (`fleet_stats.FleetAccumulator`).
 
 Optional (the serving layer asks with getattr, so test doubles need not have it):
 `routing_records(request_id) -> list[dict]`, the routing decisions made for a request
@@ -13,8 +14,9 @@ Optional (the serving layer asks with getattr, so test doubles need not have it)
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput
 
 
@@ -35,12 +37,12 @@ class EngineClient(Protocol):
         """Abort a request still running (closing its `generate` stream does the same)."""
         ...
 
-    def aggregate_stats(self) -> dict[str, Any]:
-        """Summed counters (monotonic) and gauges, mean KV usage, "engines" (one entry per engine), and
-        what the shape adds ("routing_decisions", "pools", "kv_transfer", "pd", "spec_decoding")."""
+    def aggregate_stats(self) -> FleetStats:
+        """Summed counters (monotonic) and gauges, mean KV usage, `engines` (one entry per engine), and
+        what the shape adds (`routing_decisions`, `pools`, `kv_transfer`, `pd`, `spec_decoding`, ...)."""
         ...
 
-    def latest_stats(self) -> dict[str, Any]:
+    def latest_stats(self) -> FleetStats:
         """`aggregate_stats()` from what was last polled, for /health and /metrics: never waits on an engine."""
         ...
 

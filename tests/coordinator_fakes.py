@@ -4,9 +4,11 @@ ObjectRefGenerator, and the prompt travels in the first output only, as from a r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from ray.exceptions import ActorDiedError
 
+from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.coordinator import DPCoordinator
 from pagedserve.cluster.serve.stream_transport import PromptElider
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
@@ -14,13 +16,11 @@ from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 BLOCK = 4
 
 
-def engine_stats(index: int, running: int = 0, waiting: int = 0, usage: float = 0.0, healthy: bool = True, **extra) -> dict:
+def engine_stats(index: int, running: int = 0, waiting: int = 0, usage: float = 0.0, healthy: bool = True,
+                 **extra) -> EngineStats:
     base = dict(engine_index=index, num_running=running, num_waiting=waiting, kv_cache_usage=usage,
-                num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, num_free_blocks=100,
-                num_total_blocks=100, num_prompt_tokens=0, num_generation_tokens=0, healthy=healthy,
-                last_step_age_s=0.0, incarnation="first", stats_time=0.0)
-    base.update(extra)
-    return base
+                num_free_blocks=100, num_total_blocks=100, healthy=healthy, incarnation="first", stats_time=0.0)
+    return EngineStats(**{**base, **extra})
 
 
 def make_output(request_id: str, tokens: list[int], finish: str | None, prompt_ids: list[int] | None = None) -> RequestOutput:
@@ -90,7 +90,7 @@ class FakeEngine:
     def _get_stats(self):
         if self.die_after is not None and self.die_after < 0:
             return raising(ActorDiedError())
-        return ready(dict(self.stats))
+        return ready(dataclasses.replace(self.stats))  # a copy, as from a real actor
 
 
 def make_coordinator(n: int, **kw) -> tuple[DPCoordinator, list[FakeEngine]]:

@@ -11,6 +11,8 @@ from typing import Any
 
 from starlette.testclient import TestClient
 
+from pagedserve.cluster.engine_stats import EngineStats
+from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
 from pagedserve.cluster.serve.coordinator import DPCoordinator
 from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serving.app import build_fastapi_app
@@ -141,7 +143,7 @@ class ScriptedCoordinator:
         return []
 
     def aggregate_stats(self):
-        return {"num_running": 0, "engines": [{"engine_index": 0, "healthy": self.healthy}]}
+        return FleetStats(engines=[EngineEntry("0", EngineStats(healthy=self.healthy))])
 
     def is_healthy(self):
         return self.healthy

@@ -123,7 +123,7 @@ def test_generate_streams_and_counts():
     assert [o.outputs[0].token_ids[0] for o in outs] == [0, 1, 2, 3, 4]
     assert outs[-1].finished
     stats = coord.aggregate_stats()
-    assert sum(stats["num_requests_routed"]) == 1 and stats["num_in_flight"] == 0
+    assert sum(stats.num_requests_routed) == 1 and stats.num_in_flight == 0
     assert all(not e.aborted for e in engines)  # finished normally: nothing to abort
 
 
@@ -138,7 +138,7 @@ def test_consumer_stopping_early_aborts_on_engine():
 
     asyncio.run(run())
     assert sum(e.aborted.count("early") for e in engines) == 1
-    assert coord.aggregate_stats()["num_in_flight"] == 0
+    assert coord.aggregate_stats().num_in_flight == 0
 
 
 def test_dead_engine_fails_only_its_request_and_is_routed_around():
@@ -206,7 +206,7 @@ def test_overloaded_engine_is_skipped_for_another():
     assert all(outs[-1].finished and len(outs) == 5 for outs in results)
     assert sorted(engines[2].requests) == [f"r{i}" for i in range(6)]  # every request ended up on engine 2
     stats = coord.aggregate_stats()
-    assert stats["num_in_flight"] == 0 and all(e.available for e in coord.engines)
+    assert stats.num_in_flight == 0 and all(e.available for e in coord.engines)
 
 
 def test_overload_reaches_the_caller_when_every_engine_refuses():
@@ -220,7 +220,7 @@ def test_overload_reaches_the_caller_when_every_engine_refuses():
     with pytest.raises(EngineOverloadedError, match="queue full"):
         asyncio.run(run())
     assert [e.requests for e in engines] == [["full"], ["full"]]  # each tried once
-    assert coord.aggregate_stats()["num_in_flight"] == 0
+    assert coord.aggregate_stats().num_in_flight == 0
 
 
 def test_refresh_stats_marks_dead_and_recovers_and_counters_stay_monotonic():
@@ -240,13 +240,14 @@ def test_refresh_stats_marks_dead_and_recovers_and_counters_stay_monotonic():
         return first, during, coord.aggregate_stats()
 
     first, (during, healthy_during, polled), after = asyncio.run(run())
-    assert first["num_running"] == 3 and first["num_generation_tokens"] == 150
-    assert polled[0]["healthy"] is False and polled[0]["reachable"] is False
-    assert during["num_healthy_engines"] == 1 and during["num_running"] == 1
+    assert first.num_running == 3 and first.num_generation_tokens == 150
+    assert polled[0] is None and polled[1] is not None  # engine 0 did not answer
+    assert not during.engines[0].available and not during.engines[0].healthy
+    assert during.num_healthy_engines == 1 and during.num_running == 1
     assert healthy_during  # one engine is still reachable and not stalled
-    assert after["num_healthy_engines"] == 2
-    assert after["num_generation_tokens"] == 160  # 100 before the restart + 10 after + 50
-    assert after["num_preemptions"] == 1
+    assert after.num_healthy_engines == 2
+    assert after.num_generation_tokens == 160  # 100 before the restart + 10 after + 50
+    assert after.num_preemptions == 1
 
 
 def test_is_healthy_false_when_an_engine_stalls_or_none_is_reachable():
@@ -273,7 +274,7 @@ def test_background_polling_starts_and_stops():
         await coord.stop()
         return coord.aggregate_stats()
 
-    assert asyncio.run(run())["num_waiting"] == 7
+    assert asyncio.run(run()).num_waiting == 7
 
 
 def test_late_stale_stats_answer_is_ignored():
@@ -287,4 +288,4 @@ def test_late_stale_stats_answer_is_ignored():
         return coord.aggregate_stats()
 
     agg = asyncio.run(run())
-    assert agg["num_generation_tokens"] == 105 and agg["num_running"] == 2
+    assert agg.num_generation_tokens == 105 and agg.num_running == 2

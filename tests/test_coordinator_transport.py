@@ -50,7 +50,7 @@ def test_mass_disconnect_costs_one_abort_rpc_per_engine():
     busy = [e for e in engines if e.aborted]
     assert len(busy) == 2  # the requests were spread over both engines ...
     assert all(e.abort_rpcs == 1 for e in busy)  # ... and each got one RPC, not one per request
-    assert coord.aggregate_stats()["num_in_flight"] == 0
+    assert coord.aggregate_stats().num_in_flight == 0
 
 
 def test_concurrent_explicit_aborts_share_one_rpc():
@@ -83,7 +83,7 @@ def test_latest_stats_and_health_answer_from_polled_stats_without_rpc():
         return before, coord.latest_stats(), coord.is_healthy()
 
     before, latest, healthy = asyncio.run(run())
-    assert before["stats_age_s"] is None and before["num_running"] == 0
-    assert latest["stats_age_s"] is not None and latest["stats_age_s"] >= 0
-    assert latest["num_running"] == 2 and latest["num_waiting"] == 1 and latest["num_generation_tokens"] == 30
-    assert latest["num_healthy_engines"] == 1 and not healthy
+    assert before.stats_age_s is None and before.num_running == 0
+    assert latest.stats_age_s is not None and latest.stats_age_s >= 0
+    assert latest.num_running == 2 and latest.num_waiting == 1 and latest.num_generation_tokens == 30
+    assert latest.num_healthy_engines == 1 and not healthy

@@ -10,6 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from pagedserve.cluster.engine_stats import EngineStats  # noqa: E402
 from pagedserve.cluster.serve.coordinator import DPCoordinator  # noqa: E402
 from pagedserve.cluster.serve.engine_actor import start_engine_actors, wait_engines_ready  # noqa: E402
 from pagedserve.cluster.serve.engine_host import EngineHost  # noqa: E402
@@ -59,13 +60,13 @@ async def _collect(coord: DPCoordinator, request_id: str, prompt: list[int], par
     return tokens
 
 
-async def _wait_idle(coord: DPCoordinator) -> list[dict]:
+async def _wait_idle(coord: DPCoordinator) -> list[EngineStats]:
     """Poll until every engine reports no work and all blocks free (or give up and return the last stats)."""
-    stats: list[dict] = []
+    stats: list[EngineStats | None] = []
     for _ in range(200):
         stats = await coord.refresh_stats()
-        if all(s.get("num_running") == 0 and s.get("num_waiting") == 0
-               and s.get("num_free_blocks") == s.get("num_total_blocks") for s in stats):
+        if all(s is not None and s.num_running == 0 and s.num_waiting == 0
+               and s.num_free_blocks == s.num_total_blocks for s in stats):
             break
         await asyncio.sleep(0.05)
     return stats
@@ -82,11 +83,11 @@ def test_dp2_spreads_requests_and_matches_offline_greedy(engines, engine_kwargs)
         return coord.aggregate_stats(), before, after, results
 
     agg, before, after, results = _run(run())
-    assert sum(agg["num_requests_routed"]) == len(PROMPTS)
-    assert all(n > 0 for n in agg["num_requests_routed"])  # both engines got requests
+    assert sum(agg.num_requests_routed) == len(PROMPTS)
+    assert all(n > 0 for n in agg.num_requests_routed)  # both engines got requests
     # ... and the engines' own stats show it: both computed prompt tokens for this test.
-    assert all(a["num_prompt_tokens"] > b["num_prompt_tokens"] for a, b in zip(after, before))
-    assert agg["num_free_blocks"] == agg["num_total_blocks"]
+    assert all(a.num_prompt_tokens > b.num_prompt_tokens for a, b in zip(after, before))
+    assert agg.num_free_blocks == agg.num_total_blocks
 
     offline = LLM(**engine_kwargs)
     expected = offline.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -107,10 +108,10 @@ def test_prefix_affine_requests_land_on_same_engine(engines):
         return coord.aggregate_stats(), before, after
 
     agg, before, after = _run(run())
-    routed = agg["num_requests_routed"]
+    routed = agg.num_requests_routed
     assert sorted(routed) == [0, 6]
     target = routed.index(6)
-    hits = [a["prefix_cache_hits"] - b["prefix_cache_hits"] for a, b in zip(after, before)]
+    hits = [a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before)]
     assert hits[target] >= 5 * 4 * BLOCK - 5  # requests 2..6 reused the shared blocks on that engine
     assert hits[1 - target] == 0
 
@@ -132,10 +133,10 @@ def test_client_disconnect_aborts_and_frees_blocks(engines):
 
     received, stats, agg = _run(run())
     assert received == 3
-    assert agg["num_in_flight"] == 0
+    assert agg.num_in_flight == 0
     for s in stats:
-        assert s["num_running"] == 0 and s["num_waiting"] == 0
-        assert s["num_free_blocks"] == s["num_total_blocks"]
+        assert s.num_running == 0 and s.num_waiting == 0
+        assert s.num_free_blocks == s.num_total_blocks
 
 
 def test_abort_ends_stream_with_abort_reason(engines):
@@ -153,7 +154,7 @@ def test_abort_ends_stream_with_abort_reason(engines):
     outputs, stats = _run(run())
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     assert sum(len(o.outputs[0].token_ids) for o in outputs) < 300
-    assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats)
+    assert all(s.num_free_blocks == s.num_total_blocks for s in stats)
 
 
 def test_bad_request_raises_value_error_and_engines_stay_up(engines):
@@ -167,7 +168,7 @@ def test_bad_request_raises_value_error_and_engines_stay_up(engines):
         return coord.aggregate_stats()
 
     agg = _run(run())
-    assert agg["num_healthy_engines"] == 2
+    assert agg.num_healthy_engines == 2
 
 
 def test_killed_engine_fails_its_requests_others_complete_and_it_restarts(engines):
@@ -269,7 +270,7 @@ def test_engine_loop_death_fails_requests_and_triggers_restart(engine_kwargs):
             _run(run(), timeout=60)
         assert RecordingActor.died.wait(30)
         stats = _run(actor.get_stats())
-        assert stats["healthy"] is False and stats["engine_index"] == 7
+        assert stats.healthy is False and stats.engine_index == 7
         with pytest.raises(EngineDeadError):
             _run(actor.check_health())
     finally:
@@ -286,7 +287,7 @@ def test_actor_stream_carries_the_prompt_only_in_its_first_output(engine_kwargs)
 
     try:
         outputs = _run(run(), timeout=60)
-        sent = _run(actor.get_stats())["num_stream_outputs"]
+        sent = _run(actor.get_stats()).num_stream_outputs
     finally:
         actor.shutdown()
     assert len(outputs) > 1 and sent == len(outputs)
@@ -321,14 +322,14 @@ def test_slow_reader_is_backpressured_and_gets_merged_complete_text(engines):
     async def wait_until_engine_done(before: int) -> None:
         for _ in range(600):  # the reader sleeps until the engine has generated every token
             stats = await handle.get_stats.remote()
-            if stats["num_unfinished"] == 0:
+            if stats.num_unfinished == 0:
                 break
             await asyncio.sleep(0.05)
-        during["sent"] = stats["num_stream_outputs"] - before
+        during["sent"] = stats.num_stream_outputs - before
 
     async def run():
         fast = await _read_stream(handle, "fast-reader", PROMPTS[6], params)
-        before = (await handle.get_stats.remote())["num_stream_outputs"]
+        before = (await handle.get_stats.remote()).num_stream_outputs
         slow = await _read_stream(handle, "slow-reader", PROMPTS[6], params,
                                   pause_after_first=lambda: wait_until_engine_done(before))
         return fast, slow, await _wait_idle(DPCoordinator(engines, block_size=BLOCK))
@@ -339,7 +340,7 @@ def test_slow_reader_is_backpressured_and_gets_merged_complete_text(engines):
     assert during["sent"] <= STREAM_BACKPRESSURE_OBJECTS + 2
     assert slow[2] <= STREAM_BACKPRESSURE_OBJECTS + 3 < fast[2]  # fewer, larger deltas in all
     assert slow[3][0] == PROMPTS[6] and all(ids == [] for ids in slow[3][1:])
-    assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats)
+    assert all(s.num_free_blocks == s.num_total_blocks for s in stats)
 
 
 def test_mass_disconnect_aborts_in_one_rpc_per_engine_and_frees_blocks(engines):
@@ -356,7 +357,7 @@ def test_mass_disconnect_aborts_in_one_rpc_per_engine_and_frees_blocks(engines):
 
     rpcs, stats, agg = _run(run())
     assert rpcs <= len(engines) < len(PROMPTS)
-    assert agg["num_in_flight"] == 0
+    assert agg.num_in_flight == 0
     for s in stats:
-        assert s["num_running"] == 0 and s["num_waiting"] == 0
-        assert s["num_free_blocks"] == s["num_total_blocks"]
+        assert s.num_running == 0 and s.num_waiting == 0
+        assert s.num_free_blocks == s.num_total_blocks

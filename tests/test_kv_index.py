@@ -228,12 +228,14 @@ def test_metrics_show_decisions_staleness_predictions_and_views():
     from pagedserve.cluster.serving.metrics import ServingMetrics
     from tests.test_serve_scaleout import metric_samples
 
-    stats = {"routing_decisions": {EXACT_HIT: 7, STALE_FALLBACK: 1},
-             "kv_routing": {"stale_engines": 1, "resyncs": 2, "gaps": 1, "restarts": 0, "stale_spells": 1,
-                            "divergences": 0, "checked": 10, "matched": 9, "predicted_tokens": 80,
-                            "actual_tokens": 72},
-             "engines": [{"engine_index": "r0", "kv_view": {"stale": None, "seq": 3, "blocks": {DEVICE: 5},
-                                                             "engine_blocks": {DEVICE: 5}}}]}
+    from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
+
+    stats = FleetStats(routing_decisions={EXACT_HIT: 7, STALE_FALLBACK: 1},
+                       kv_routing={"stale_engines": 1, "resyncs": 2, "gaps": 1, "restarts": 0, "stale_spells": 1,
+                                   "divergences": 0, "checked": 10, "matched": 9, "predicted_tokens": 80,
+                                   "actual_tokens": 72},
+                       engines=[EngineEntry("r0", kv_view={"stale": None, "seq": 3, "blocks": {DEVICE: 5},
+                                                           "engine_blocks": {DEVICE: 5}})])
     text = ServingMetrics("m", lambda: stats, max_model_len=64).render()[0].decode()
     assert metric_samples(text, "pagedserve:routing_cached_token_predictions_total") == {
         '{model_name="m",outcome="match"}': 9.0, '{model_name="m",outcome="mismatch"}': 1.0}

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.cluster.serve.migration import MigratingClient
 from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, EngineStoppedError
@@ -60,8 +61,8 @@ class FlakyClient:
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
-    def aggregate_stats(self) -> dict:
-        return {"num_engines": 1}
+    def aggregate_stats(self) -> FleetStats:
+        return FleetStats(num_engines=1)
 
     latest_stats = aggregate_stats
 
@@ -232,7 +233,7 @@ def test_migrations_are_on_metrics(engine):
     assert 'pagedserve:request_migrations_total{model_name="tiny"} 5.0' in text
     assert 'pagedserve:request_migration_failures_total{model_name="tiny"} 1.0' in text
     assert 'pagedserve:overload_retries_total{model_name="tiny"} 2.0' in text
-    assert client.is_healthy() and client.aggregate_stats()["num_engines"] == 1
+    assert client.is_healthy() and client.aggregate_stats().num_engines == 1
 
 
 class TwoEngines(FlakyClient):

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
 from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.cluster.serving.overhead import STAGES
 from tests.local_serving import LocalServer
@@ -26,7 +27,7 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me about the weather."}],
 SHAPE_STATS = {
     "kv_transfer": {"loaded_bytes": 1, "loaded_blocks": 1, "loaded_tokens": 1, "load_failures": 0, "fallbacks": 0,
                     "expired_holds": 0, "held_requests": 0, "held_blocks": 0, "loads": 1, "load_seconds": 0.1},
-    "pools": {"prefill": {"num_running": 0, "num_waiting": 0, "num_engines": 1}},
+    "pools": {"prefill": FleetStats(num_running=0, num_waiting=0, num_engines=1)},
     "pd": {"pd_requests": 1},
     "spec_decoding": {"num_drafts": 1, "num_draft_tokens": 2, "num_accepted_tokens": 1, "accepted_per_position": [1]},
     "routing_decisions": {"balanced": 1},
@@ -56,7 +57,7 @@ def missing_metrics(dashboard: dict, scraped: set[str], shape_only: set[str]) ->
 
 
 def shape_metric_names() -> set[str]:
-    metrics = ServingMetrics("tiny", lambda: {"engines": [{"engine_index": 0}], **SHAPE_STATS})
+    metrics = ServingMetrics("tiny", lambda: FleetStats(engines=[EngineEntry("0")], **SHAPE_STATS))
     return sample_names(metrics.render()[0].decode())
 
 

@@ -12,6 +12,7 @@ import secrets
 
 import pytest
 
+from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.pd_client import PDClient
 from pagedserve.cluster.serve.pd_pools import PoolSpec, deployment_kv_secret, start_pool, wait_pool_ready
 
@@ -105,7 +106,7 @@ class PD:
             out += output.outputs[0].token_ids
         return out
 
-    async def stats(self, handle) -> dict:
+    async def stats(self, handle) -> EngineStats:
         return await handle.get_stats.remote()
 
     async def assert_idle(self, timeout_s: float = 30.0) -> None:
@@ -114,7 +115,7 @@ class PD:
         while True:
             figures = [await self.stats(h) for h in (*self.prefill.handles, *self.decode.handles)
                        if not any(h is d for d in self.dead)]
-            idle = [(s["num_free_blocks"], s["num_total_blocks"], s["kv_transfer"].get("held_requests", 0))
+            idle = [(s.num_free_blocks, s.num_total_blocks, s.kv_transfer.get("held_requests", 0))
                     for s in figures]
             if all(free == total and held == 0 for free, total, held in idle):
                 return
@@ -136,7 +137,7 @@ def tp2_tp1(ray_local, model):
 async def _check_parity(pd: PD, expected: list[list[int]]) -> None:
     got = await asyncio.gather(*(pd.tokens(f"r{i}", p) for i, p in enumerate(PROMPTS)))
     assert list(got) == expected[:len(PROMPTS)]
-    kv = (await pd.stats(pd.decode.handles[0]))["kv_transfer"]
+    kv = (await pd.stats(pd.decode.handles[0])).kv_transfer
     assert kv["loads"] >= len(PROMPTS) and kv["fallbacks"] == 0 and kv["loaded_bytes"] > 0
 
 
@@ -213,7 +214,7 @@ def test_forged_kv_transfer_params_over_ray_get_no_foreign_kv(tp2_tp1, expected)
 
             a = await _prefill(producer, "forge-a", FORGE_PROMPTS[0])
             b = await _prefill(producer, "forge-b", FORGE_PROMPTS[1])
-            before = (await pools.stats(consumer))["kv_transfer"]
+            before = (await pools.stats(consumer)).kv_transfer
             await decode("a's hold, b's token", FORGE_PROMPTS[2], {**a, "remote_hold_token": b["remote_hold_token"]})
             await decode("b's hold, a guess", FORGE_PROMPTS[3], {**b, "remote_hold_token": "guessed-" + "x" * 35})
             await decode("a made-up hold", FORGE_PROMPTS[4], {**a, "remote_request_id": "made-up@0"})
@@ -224,7 +225,7 @@ def test_forged_kv_transfer_params_over_ray_get_no_foreign_kv(tp2_tp1, expected)
             await decode("a released hold", FORGE_PROMPTS[6], a)
             await decode("b", FORGE_PROMPTS[1], b)  # the victim's hold was intact
             await producer.kv_release.remote(c["remote_request_id"], c["remote_hold_token"])
-            kv = (await pools.stats(consumer))["kv_transfer"]
+            kv = (await pools.stats(consumer)).kv_transfer
             assert (kv["fallbacks"] - before["fallbacks"], kv["loads"] - before["loads"]) == (4, 2)
 
     asyncio.run(run())
@@ -256,14 +257,14 @@ def test_producer_killed_before_the_read_makes_the_consumer_recompute(tp2_tp1, e
                         break
                     await asyncio.sleep(0.05)
             consumer = pools.decode.handles[0]
-            before = (await pools.stats(consumer))["kv_transfer"]
+            before = (await pools.stats(consumer)).kv_transfer
             tokens: list[int] = []
             async for ref in consumer.generate.remote("dec", {"prompt_token_ids": KILL_PROMPT},
                                                       {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                                                        "kv_transfer_params": params}):
                 tokens += (await ref).outputs[0].token_ids
             assert tokens == expected[-1]
-            kv = (await pools.stats(consumer))["kv_transfer"]
+            kv = (await pools.stats(consumer)).kv_transfer
             assert (kv["fallbacks"] - before["fallbacks"], kv["loads"] - before["loads"]) == (1, 0)
 
     asyncio.run(run())

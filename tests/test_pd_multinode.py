@@ -82,13 +82,13 @@ def test_prefill_and_decode_pools_on_different_nodes(cluster, tiny_model_factory
             deadline = asyncio.get_running_loop().time() + 30
             while True:
                 stats = [await h.get_stats.remote() for h in (*prefill.handles, *decode.handles)]
-                idle = all(s["num_free_blocks"] == s["num_total_blocks"] and not s["kv_transfer"]["held_requests"]
+                idle = all(s.num_free_blocks == s.num_total_blocks and not s.kv_transfer["held_requests"]
                            for s in stats)
                 if idle or asyncio.get_running_loop().time() > deadline:
                     break
                 await asyncio.sleep(0.1)
             assert idle, stats
-            kv = stats[1]["kv_transfer"]
+            kv = stats[1].kv_transfer
             assert kv["loads"] == len(PROMPTS) and kv["fallbacks"] == 0
             # n == 1 requests continue from the prefill's token: each prompt's whole KV moves.
             assert kv["loaded_tokens"] == sum(len(p) for p in PROMPTS)

@@ -12,6 +12,8 @@ import time
 
 import pytest
 from pagedserve.cli import main
+from pagedserve.cluster.engine_stats import EngineStats
+from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.cluster.serve.coordinator import DPCoordinator, EngineState
 from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serving.metrics import ServingMetrics
@@ -145,10 +147,10 @@ def test_metrics_show_spec_counters_summed_over_engines(server, expected):
 
 
 def test_no_spec_metrics_without_speculation():
-    text = ServingMetrics("m", lambda: {"num_running": 0}).render()[0].decode()
+    text = ServingMetrics("m", lambda: FleetStats(num_running=0)).render()[0].decode()
     assert "spec_decode" not in text
-    stats = {"spec_decoding": {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3,
-                               "accepted_per_position": [2, 1, 0]}}
+    stats = FleetStats(spec_decoding={"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3,
+                                      "accepted_per_position": [2, 1, 0]})
     text = ServingMetrics("m", lambda: stats).render()[0].decode()
     assert metric(text, "pagedserve:spec_decode_num_accepted_tokens_per_pos_total", 'position="1"') == 1
 
@@ -161,12 +163,12 @@ def _spec(drafts: int, tokens: int, accepted: list[int]) -> dict:
 def test_coordinator_spec_counters_stay_monotonic_across_restarts():
     coordinator = DPCoordinator([object(), object()], block_size=4)
     first, second = coordinator.engines
-    assert "spec_decoding" not in coordinator.aggregate_stats()
-    coordinator._update_stats(first, {"incarnation": "a", "stats_time": 1.0, "spec_decoding": _spec(4, 12, [3, 2])})
-    coordinator._update_stats(second, {"incarnation": "x", "stats_time": 1.0, "spec_decoding": _spec(1, 3, [1])})
+    assert coordinator.aggregate_stats().spec_decoding is None
+    coordinator._update_stats(first, EngineStats(incarnation="a", stats_time=1.0, spec_decoding=_spec(4, 12, [3, 2])))
+    coordinator._update_stats(second, EngineStats(incarnation="x", stats_time=1.0, spec_decoding=_spec(1, 3, [1])))
     # The first engine restarts: its new incarnation counts from zero, the old figures are kept.
-    coordinator._update_stats(first, {"incarnation": "b", "stats_time": 0.5, "spec_decoding": _spec(1, 3, [1])})
-    spec = coordinator.aggregate_stats()["spec_decoding"]
+    coordinator._update_stats(first, EngineStats(incarnation="b", stats_time=0.5, spec_decoding=_spec(1, 3, [1])))
+    spec = coordinator.aggregate_stats().spec_decoding
     assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (6, 18, 7)
     assert spec["accepted_per_position"] == [5, 2]
     assert spec["mean_acceptance_length"] == pytest.approx(1 + 7 / 6)
@@ -179,9 +181,9 @@ def test_serve_client_sums_replicas_and_keeps_gone_ones(monkeypatch):
     replicas = [{"replica": "r1", "num_total_blocks": 8, "in_flight": 0, "spec_decoding": _spec(2, 6, [2, 1])},
                 {"replica": "r2", "num_total_blocks": 8, "in_flight": 0, "spec_decoding": _spec(1, 3, [0, 0])}]
     monkeypatch.setattr(client, "routing_snapshot", lambda: {"replicas": replicas, "decisions": {}})
-    assert client.aggregate_stats()["spec_decoding"]["num_accepted_tokens"] == 3
+    assert client.aggregate_stats().spec_decoding["num_accepted_tokens"] == 3
     replicas.pop(0)  # r1 scaled down: its counts stay in the totals
-    spec = client.aggregate_stats()["spec_decoding"]
+    spec = client.aggregate_stats().spec_decoding
     assert (spec["num_drafts"], spec["num_draft_tokens"], spec["accepted_per_position"]) == (3, 9, [2, 1])
 
 

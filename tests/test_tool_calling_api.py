@@ -18,6 +18,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from pagedserve.cluster.engine_stats import EngineStats
+from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.requests import ChatCompletionRequest
@@ -220,7 +222,7 @@ class TextScript:
         pass
 
     def aggregate_stats(self):
-        return {"num_running": 0, "engines": [{"engine_index": 0, "healthy": True}]}
+        return FleetStats(engines=[EngineEntry("0", EngineStats())])
 
     def is_healthy(self):
         return True

@@ -18,7 +18,8 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from pagedserve.cluster.fleet_stats import COUNTER_KEYS, FleetCounters, fleet_gauges
+from pagedserve.cluster.engine_stats import EngineStats
+from pagedserve.cluster.fleet_stats import EngineEntry, FleetAccumulator, FleetStats
 from pagedserve.cluster.serve.router_registry import routers_for
 from pagedserve.cluster.serve.routing_policy import DECISIONS
 from pagedserve.cluster.serve.stream_transport import PromptRestorer
@@ -62,7 +63,7 @@ class ServeEngineClient:
         self.app_name = app_name
         self.deployment_name = deployment_name
         # Every replica ever seen (a replica that went away keeps what it counted): monotonic counters.
-        self.counters = FleetCounters(COUNTER_KEYS)
+        self.fleet = FleetAccumulator()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
                        priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
@@ -157,32 +158,31 @@ class ServeEngineClient:
         return {"replicas": list(replicas.values()), "decisions": decisions, "circuit_opens": circuit_opens,
                 "kv_routing": kv_routing}
 
-    def aggregate_stats(self) -> dict[str, Any]:
-        """The coordinator's `aggregate_stats()` shape, over the engine replicas' routing stats."""
+    def aggregate_stats(self) -> FleetStats:
+        """The fleet over the engine replicas' routing stats (as this process's routers last received them)."""
         snap = self.routing_snapshot()
-        reporting = [r for r in snap["replicas"] if "num_total_blocks" in r]
-        for replica in reporting:
-            self.counters.observe(replica["replica"], {key: int(replica.get(key, 0)) for key in COUNTER_KEYS},
-                                  replica.get("incarnation"), replica.get("spec_decoding"))
-        out: dict[str, Any] = {**self.counters.totals(), **fleet_gauges(reporting)}
-        out["num_engines"] = len(snap["replicas"])
-        out["num_healthy_engines"] = sum(bool(r.get("healthy", True)) for r in snap["replicas"])
-        out["num_in_flight"] = sum(r["in_flight"] for r in snap["replicas"])
-        spec = self.counters.spec()
-        if spec is not None:
-            out["spec_decoding"] = spec
-        out["routing_decisions"] = snap["decisions"]
-        out["fault_tolerance"] = {"circuit_opens": snap.get("circuit_opens", 0),
-                                  "circuit_open_engines": sum(bool(r.get("circuit_open")) for r in snap["replicas"])}
-        if "kv_routing" in snap:
-            out["kv_routing"] = snap["kv_routing"]
-        out["engines"] = [{**r, "engine_index": r["replica"]} for r in snap["replicas"]]
-        return out
+        engines = [_entry(replica) for replica in snap["replicas"]]
+        for engine in engines:
+            if engine.stats is not None:
+                self.fleet.observe(engine.label, engine.stats)
+        fault = {"circuit_opens": snap.get("circuit_opens", 0),
+                 "circuit_open_engines": sum(e.circuit_open for e in engines)}
+        return self.fleet.snapshot(engines, routing_decisions=snap["decisions"], fault_tolerance=fault,
+                                   kv_routing=snap.get("kv_routing"))
 
-    def latest_stats(self) -> dict[str, Any]:
+    def latest_stats(self) -> FleetStats:
         return self.aggregate_stats()
 
     def is_healthy(self) -> bool:
         """False when no engine replica is known, or one reports a stall (from the latest routing stats)."""
-        replicas = self.routing_snapshot()["replicas"]
-        return bool(replicas) and all(r.get("healthy", True) for r in replicas)
+        engines = [_entry(replica) for replica in self.routing_snapshot()["replicas"]]
+        return bool(engines) and all(e.healthy for e in engines)
+
+
+def _entry(replica: dict[str, Any]) -> EngineEntry:
+    """A replica of the router's snapshot (its routing stats, `EngineStats.to_dict()` and what the router
+    adds) as the fleet lists it; its stats are None until it first reported."""
+    stats = EngineStats.from_dict(replica) if "num_total_blocks" in replica else None
+    return EngineEntry(str(replica["replica"]), stats, in_flight=int(replica.get("in_flight", 0)),
+                       num_routed=int(replica.get("num_routed", 0)), circuit_open=bool(replica.get("circuit_open")),
+                       num_prefixes=replica.get("num_prefixes"), kv_view=replica.get("kv_view"))

@@ -40,7 +40,8 @@ from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
-from pagedserve.cluster.fleet_stats import COUNTER_KEYS, FleetCounters, fleet_gauges
+from pagedserve.cluster.engine_stats import EngineStats
+from pagedserve.cluster.fleet_stats import EngineEntry, FleetAccumulator, FleetStats
 from pagedserve.engine.core.block_pool import BlockHash
 from pagedserve.engine.outputs import RequestOutput
 
@@ -55,15 +56,20 @@ class EngineState:
     available: bool = True  # False after the actor died / stopped answering, until a stats poll succeeds
     in_flight: int = 0  # requests routed here by this coordinator and not finished
     num_routed: int = 0  # total requests routed here
-    stats: dict | None = None  # latest get_stats() answer (None before the first poll)
+    stats: EngineStats | None = None  # latest get_stats() answer (None before the first poll)
 
     @property
     def healthy(self) -> bool:
         """Routable: reachable and not reporting a stall."""
-        return self.available and (self.stats is None or bool(self.stats.get("healthy", True)))
+        return self.available and (self.stats is None or self.stats.healthy)
 
     def load(self, kv_weight: float) -> float:
-        return engine_load(self.in_flight, self.stats, kv_weight)
+        return engine_load(self.in_flight, None if self.stats is None else self.stats.figures("gauge", "mean"),
+                           kv_weight)
+
+    def entry(self) -> EngineEntry:
+        """This engine as the fleet snapshot lists it."""
+        return EngineEntry(str(self.index), self.stats, self.available, self.in_flight, self.num_routed)
 
 
 class DPCoordinator:
@@ -103,7 +109,7 @@ class DPCoordinator:
         self._poller: asyncio.Task | None = None
         self._aborts = AbortBatcher(self._send_aborts)
         self._last_poll_time: float | None = None  # time.monotonic() of the last completed poll round
-        self.counters = FleetCounters(COUNTER_KEYS)  # cumulative figures, monotonic across actor restarts
+        self.fleet = FleetAccumulator()  # cumulative figures, monotonic across actor restarts
         self.name = "engine"  # what traces and overhead metrics call this group of engines (PD: its pool)
         self.route_log = RouteLog()  # each request's routing decisions, for its trace
 
@@ -272,65 +278,44 @@ class DPCoordinator:
 
     # ------------------------------------------------------------------ stats and health
 
-    async def refresh_stats(self) -> list[dict]:
-        """Poll every engine's stats; an engine that does not answer is reported unhealthy and skipped."""
+    async def refresh_stats(self) -> list[EngineStats | None]:
+        """Poll every engine's stats; an engine that does not answer (None) is marked unavailable and skipped."""
         answers = list(await asyncio.gather(*(self._poll_one(state) for state in self.engines)))
         self._last_poll_time = time.monotonic()
         return answers
 
-    async def _poll_one(self, state: EngineState) -> dict:
+    async def _poll_one(self, state: EngineState) -> EngineStats | None:
         try:
             stats = await asyncio.wait_for(state.handle.get_stats.remote(), self.stats_timeout_s)
         except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
             self._mark_unavailable(state, exc)
-            return {"engine_index": state.index, "healthy": False, "reachable": False}
+            return None
         if not state.available:
             logger.info("engine %d answers again; routing to it", state.index)
         state.available = True
         self._update_stats(state, stats)
-        return {**stats, "reachable": True}
+        return stats
 
-    def _update_stats(self, state: EngineState, stats: dict) -> None:
+    def _update_stats(self, state: EngineState, stats: EngineStats) -> None:
         """Keep the newest answer; a new incarnation (restarted actor) counts from zero on top of the old
         totals (`FleetCounters`)."""
         previous = state.stats
-        restarted = previous is not None and stats.get("incarnation") != previous.get("incarnation")
-        if previous is not None and not restarted and stats.get("stats_time", 0.0) < previous.get("stats_time", 0.0):
+        restarted = previous is not None and stats.incarnation != previous.incarnation
+        if previous is not None and not restarted and stats.stats_time < previous.stats_time:
             return  # an older answer that arrived late (concurrent polls)
-        self.counters.observe(state.index, {key: int(stats.get(key, 0)) for key in COUNTER_KEYS},
-                              stats.get("incarnation"), stats.get("spec_decoding"))
+        self.fleet.observe(state.index, stats)
         state.stats = stats
 
-    def aggregate_stats(self) -> dict:
-        """Summed counters and gauges over engines, mean KV usage, and a per-engine list."""
-        reachable = [e for e in self.engines if e.available and e.stats is not None]
-        out: dict[str, Any] = {**self.counters.totals(), **fleet_gauges(e.stats for e in reachable)}
-        out["num_engines"] = len(self.engines)
-        out["num_healthy_engines"] = sum(e.healthy for e in self.engines)
-        out["num_in_flight"] = sum(e.in_flight for e in self.engines)
-        out["num_requests_routed"] = [e.num_routed for e in self.engines]
-        spec = self.counters.spec()
-        if spec is not None:
-            out["spec_decoding"] = spec
-        out["engines"] = [
-            {
-                **(e.stats or {"engine_index": e.index}),
-                "available": e.available,
-                "healthy": e.healthy,
-                "in_flight": e.in_flight,
-                "num_routed": e.num_routed,
-            }
-            for e in self.engines
-        ]
-        return out
+    def aggregate_stats(self) -> FleetStats:
+        """Summed counters (monotonic) and gauges over engines, mean KV usage, and one entry per engine."""
+        return self.fleet.snapshot([e.entry() for e in self.engines])
 
-    def latest_stats(self) -> dict:
-        """`aggregate_stats()` plus "stats_age_s" (seconds since the last completed poll, None before
-        the first): what /health and /metrics answer from, with no RPC."""
+    def latest_stats(self) -> FleetStats:
+        """`aggregate_stats()` with `stats_age_s` (seconds since the last completed poll, None before the
+        first): what /health and /metrics answer from, with no RPC."""
         self._ensure_polling()
-        out = self.aggregate_stats()
-        out["stats_age_s"] = None if self._last_poll_time is None else time.monotonic() - self._last_poll_time
-        return out
+        age = None if self._last_poll_time is None else time.monotonic() - self._last_poll_time
+        return self.aggregate_stats().replace(stats_age_s=age)
 
     def is_healthy(self) -> bool:
         """False if an engine reports a stall (work waiting, no progress) or no engine is reachable.
@@ -338,8 +323,7 @@ class DPCoordinator:
         self._ensure_polling()
         if not any(e.available for e in self.engines):
             return False
-        return not any(e.available and e.stats is not None and not e.stats.get("healthy", True)
-                       for e in self.engines)
+        return not any(e.available and e.stats is not None and not e.stats.healthy for e in self.engines)
 
     # ------------------------------------------------------------------ background polling
 

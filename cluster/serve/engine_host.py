@@ -19,10 +19,10 @@ it holds within the deployment's graceful-shutdown window before `__del__` stops
 (`cluster/executor/ray_executor.py`), so Serve places, checks and replaces the whole group together.
 If the engine loop dies, a watchdog thread exits the process so that Ray (or Serve) replaces it.
 
-Stats: `get_stats` (the engine's figures, "num_unfinished", "incarnation" - new on every (re)start -,
-"stats_time", "num_stream_outputs", "kv_transfer", "spec_decoding", "lora"), `record_routing_stats` (what
-the request routers and /metrics read, with the prompt prefixes this engine served, its resident LoRA
-adapters and its KV events: `kv_feed`) and
+Stats: `get_stats` (a typed `cluster.engine_stats.EngineStats`: the engine's figures, its incarnation -
+new on every (re)start -, health, stream outputs, KV transfer, speculative decoding, LoRA),
+`record_routing_stats` (the same record as a dict, what the request routers and /metrics read, with the
+prompt prefixes this engine served, its resident LoRA adapters and its KV events: `kv_feed`) and
 `record_autoscaling_stats` (the per-role autoscaling signals, `pd_autoscaling`).
 
 PD (cluster/pd/): in a Serve replica whose engine has a kv_transfer_config, the host names the engine
@@ -52,7 +52,7 @@ from pydantic import ValidationError
 
 from pagedserve.cluster.executor.placement import restrict_to_assigned_gpus, with_engine_kv_share
 from pagedserve.cluster.executor.ray_utils import assigned_cpus, use_reserved_cpus
-from pagedserve.cluster.fleet_stats import ENGINE_FIGURES
+from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes, short_hash
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
@@ -71,7 +71,6 @@ REPORTED_PREFIX_BLOCKS = 8
 # Most prefix hashes a replica remembers and reports (newest first out of the LRU, oldest dropped).
 MAX_REPORTED_PREFIXES = 4096
 
-ROUTING_STATS_KEYS = (*ENGINE_FIGURES, "healthy", "num_unfinished", "incarnation", "spec_decoding", "kv_transfer")
 # Where a Serve engine replica tells the Ray KV transport its own address (cluster/pd/ray_transport.py).
 SERVE_ADDRESS_KEYS = ("serve_app", "serve_deployment", "serve_replica")
 
@@ -294,33 +293,28 @@ class EngineHost:
 
     # ------------------------------------------------------------------ stats and health
 
-    async def get_stats(self) -> dict:
+    async def get_stats(self) -> EngineStats:
+        """This engine's figures and extras (`EngineStats.from_scheduler`), with who reports them."""
         stats = self.engine.get_stats()
-        out: dict[str, Any] = {"engine_index": self.engine_index, "replica": self.replica}
-        out.update({key: getattr(stats.scheduler, key) for key in ENGINE_FIGURES})
-        out["num_unfinished"] = stats.num_unfinished
-        out["healthy"] = stats.healthy
         now = time.monotonic()
-        out["last_step_age_s"] = max(0.0, now - stats.last_step_time)
-        out["incarnation"] = self.incarnation
-        out["stats_time"] = now  # orders answers of one incarnation (concurrent polls may arrive out of order)
-        out["num_stream_outputs"] = self._num_stream_outputs
-        out["kv_transfer"] = dict(stats.scheduler.kv_transfer or {})
-        out["spec_decoding"] = dict(stats.scheduler.spec_decoding or {})
-        out["lora"] = dict(stats.scheduler.lora or {})
-        return out
+        # stats_time orders the answers of one incarnation (concurrent polls may arrive out of order).
+        return EngineStats.from_scheduler(
+            stats.scheduler, engine_index=self.engine_index, replica=self.replica, incarnation=self.incarnation,
+            stats_time=now, healthy=stats.healthy, num_unfinished=stats.num_unfinished,
+            last_step_age_s=max(0.0, now - stats.last_step_time), num_stream_outputs=self._num_stream_outputs)
 
     async def check_health(self) -> None:
         """Serve's health check: raises when the engine loop died or stalls with work waiting."""
         await self.engine.check_health()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What the request router and the ingress's /metrics see of this replica."""
+        """What the request router and the ingress's /metrics see of this replica: its `EngineStats` as a dict
+        (Serve's routing stats must be one; the engine client reads it back with `EngineStats.from_dict`),
+        with the prompt prefixes this engine served, its resident LoRA adapters and its KV events."""
         stats = await self.get_stats()
-        out = {key: stats[key] for key in ROUTING_STATS_KEYS if key in stats}
-        out.update(replica=self.replica, block_size=self.block_size, prefix_hashes=list(self._prefixes),
-                   lora_adapters=list((stats.get("lora") or {}).get("resident", ())),
-                   kv_events=await self.kv_feed.report())
+        out = stats.to_dict()
+        out.update(block_size=self.block_size, prefix_hashes=list(self._prefixes),
+                   lora_adapters=list(stats.lora.get("resident", ())), kv_events=await self.kv_feed.report())
         return out
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

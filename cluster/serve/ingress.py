@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
+from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.cluster.serve.migration import MigratingClient
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
@@ -102,5 +103,5 @@ class PagedServeIngress:
         """The engines' `ready()` answers, as this replica's client sees them."""
         return self.connection.engine_info
 
-    async def get_stats(self) -> dict:
+    async def get_stats(self) -> FleetStats:
         return self.client.aggregate_stats()

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
@@ -200,20 +201,20 @@ class MigratingClient:
         for leg_id in self._legs.get(request_id, [request_id]):
             await self.inner.abort(leg_id)
 
-    def aggregate_stats(self) -> dict[str, Any]:
+    def aggregate_stats(self) -> FleetStats:
         return self._with_counts(self.inner.aggregate_stats())
 
-    def latest_stats(self) -> dict[str, Any]:
+    def latest_stats(self) -> FleetStats:
         return self._with_counts(self.inner.latest_stats())
 
     def is_healthy(self) -> bool:
         return self.inner.is_healthy()
 
-    def _with_counts(self, stats: dict[str, Any]) -> dict[str, Any]:
-        fault = dict(stats.get("fault_tolerance") or {})
+    def _with_counts(self, stats: FleetStats) -> FleetStats:
+        fault = dict(stats.fault_tolerance or {})
         fault.update(migrations=self.num_migrations, migration_failures=self.num_migration_failures,
                      overload_retries=self.num_overload_retries)
-        return {**stats, "fault_tolerance": fault}
+        return stats.replace(fault_tolerance=fault)
 
     def __getattr__(self, name: str) -> Any:
         """Whatever else the wrapped client offers (its shape's own API)."""

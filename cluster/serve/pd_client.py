@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.serve.coordinator import DPCoordinator
-from pagedserve.cluster.fleet_stats import COUNTER_KEYS, GAUGE_KEYS, FleetCounters, sum_spec
+from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.engine.outputs import RequestOutput
@@ -53,8 +53,6 @@ from pagedserve.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
-# KV-transfer figures that are gauges (the rest are cumulative counters).
-KV_GAUGES = frozenset({"held_requests", "held_blocks"})
 
 
 @dataclass
@@ -107,11 +105,6 @@ def first_token_delta(user: dict[str, Any], outputs: list[RequestOutput]) -> Req
 Release = Callable[[str, str, "str | None"], None]
 
 
-def _engine_label(engine: dict[str, Any], index: int) -> str:
-    replica = engine.get("replica")
-    return str(replica) if replica not in (None, "local") else str(index)
-
-
 class PDClient:
     """Lives in the HTTP ingress process; drives a prefill pool and a decode pool (two engine clients)."""
 
@@ -120,8 +113,6 @@ class PDClient:
         self.decode = decode
         self._release_hold = release
         self.counters = PDCounters()
-        # The engines' KV-transfer figures, per engine label: counters monotonic across engine restarts.
-        self.kv_counters = FleetCounters(gauges=KV_GAUGES)
 
     @classmethod
     def over_actors(cls, prefill_engines: list[Any], decode_engines: list[Any], prefill_names: list[str],
@@ -264,40 +255,17 @@ class PDClient:
 
     # ------------------------------------------------------------------ stats and health
 
-    def aggregate_stats(self) -> dict[str, Any]:
-        """The coordinator's shape over both pools (engines labelled by pool), plus "pools" (each pool's
-        own aggregate), "kv_transfer" (the engines' connector counters, summed) and "pd" (this client's)."""
+    def aggregate_stats(self) -> FleetStats:
+        """Both pools as one fleet (`FleetStats.over_pools`: engines labelled by pool; each pool's counters,
+        KV-transfer ones included, are monotonic across its engines' restarts), with `pools` (each pool's
+        own) and `pd` (this client's counts)."""
         pools = {"prefill": self.prefill.aggregate_stats(), "decode": self.decode.aggregate_stats()}
-        out: dict[str, Any] = {key: sum(int(p.get(key, 0)) for p in pools.values()) for key in (*COUNTER_KEYS,
-                                                                                                 *GAUGE_KEYS)}
-        # Labelled by pool and Serve replica id, or by pool and position (in-process coordinator's engines).
-        engines = [{**e, "pool": pool, "engine_index": f"{pool}-{_engine_label(e, i)}"}
-                   for pool, stats in pools.items() for i, e in enumerate(stats["engines"])]
-        usages = [float(e.get("kv_cache_usage", 0.0)) for e in engines
-                  if e.get("available", True) and "kv_cache_usage" in e]
-        out["kv_cache_usage"] = sum(usages) / len(usages) if usages else 0.0
-        for key in ("num_engines", "num_healthy_engines", "num_in_flight"):
-            out[key] = sum(int(p.get(key, 0)) for p in pools.values())
-        out["engines"] = engines
-        out["pools"] = pools
-        out["kv_transfer"] = self._kv_totals(engines)
-        spec = sum_spec(p.get("spec_decoding") for p in pools.values())  # each pool's own sums, restarts included
-        if spec is not None:
-            out["spec_decoding"] = spec
-        out["pd"] = vars(self.counters).copy()
-        return out
+        return FleetStats.over_pools(pools, pd=vars(self.counters).copy())
 
-    def _kv_totals(self, engines: list[dict]) -> dict[str, float]:
-        """The engines' KV-transfer figures summed; counters stay monotonic across engine restarts (a new
-        incarnation's counts go on top of what the engine had counted before), gauges are the current ones."""
-        for engine in engines:
-            self.kv_counters.observe(engine["engine_index"], engine.get("kv_transfer"), engine.get("incarnation"))
-        return self.kv_counters.totals()
-
-    def latest_stats(self) -> dict[str, Any]:
-        self.prefill.latest_stats()  # starts polling if it has not begun
-        self.decode.latest_stats()
-        return self.aggregate_stats()
+    def latest_stats(self) -> FleetStats:
+        """From what each pool last polled (starts an in-process pool's polling if it has not begun)."""
+        pools = {"prefill": self.prefill.latest_stats(), "decode": self.decode.latest_stats()}
+        return FleetStats.over_pools(pools, pd=vars(self.counters).copy())
 
     def is_healthy(self) -> bool:
         return self.prefill.is_healthy() and self.decode.is_healthy()

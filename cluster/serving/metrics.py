@@ -2,8 +2,8 @@
 
 Latency and size histograms are observed by the HTTP layer per request. Gauges and
 cumulative counters come from the engines' own stats (the engine client's
-`aggregate_stats()`, cluster/engine_client.py), read by a custom collector at scrape time, so they are exact
-and never drift. Every app gets its own `CollectorRegistry`: two apps in one process
+`aggregate_stats()`, a `fleet_stats.FleetStats`, cluster/engine_client.py), read by attribute by a custom
+collector at scrape time, so they are exact and never drift. Every app gets its own `CollectorRegistry`: two apps in one process
 must not clash in the global one.
 """
 
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from pagedserve.cluster.engine_stats import EngineFigures
+from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,28 +44,10 @@ def token_buckets(max_value: int) -> list[float]:
         exponent += 1
 
 
-# (metric name without prefix, aggregate_stats key, help)
-_GAUGES = (
-    ("num_requests_running", "num_running", "Requests in model execution batches."),
-    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
-    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (1 = 100%)."),
-    ("kv_cache_free_blocks", "num_free_blocks", "KV cache blocks in the free pool."),
-    ("kv_cache_total_blocks", "num_total_blocks", "KV cache blocks in total."),
-)
-_COUNTERS = (
-    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-    ("num_preemptions", "num_preemptions", "Cumulative preemptions."),
-    ("prompt_tokens", "num_prompt_tokens", "Prefill tokens processed."),
-    ("generation_tokens", "num_generation_tokens", "Generation tokens processed."),
-    # The KV offload tier (0 without one): its hit rate is hits / queries, the device cache's prefix_cache_*.
-    ("kv_offload_queries", "kv_offload_query_tokens", "Prompt tokens the device prefix cache lacked, looked up in "
-                                                      "the KV offload tier."),
-    ("kv_offload_hits", "kv_offload_hit_tokens", "Prompt tokens reloaded from the KV offload tier."),
-    ("kv_offload_stored_bytes", "kv_offload_stored_bytes", "KV bytes spilled from the device cache to the offload "
-                                                           "tier."),
-    ("kv_offload_loaded_bytes", "kv_offload_loaded_bytes", "KV bytes loaded back from the offload tier."),
-)
+# The fleet's figures (FleetStats attributes), named with their /metrics family once: engine_stats.EngineFigures.
+# (metric name without prefix, FleetStats attribute, help)
+_GAUGES = tuple((f.metadata["metric"], f.name, f.metadata["help"]) for f in EngineFigures.figure_fields("gauge", "mean"))
+_COUNTERS = tuple((f.metadata["metric"], f.name, f.metadata["help"]) for f in EngineFigures.figure_fields("counter"))
 
 # KV transfer (prefill/decode), from the engines' SchedulerStats.kv_transfer summed over engines:
 # (metric name, kv_transfer key, help)
@@ -102,65 +86,70 @@ _FAULT_COUNTERS = (
 _FAULT_GAUGES = (
     ("engines_circuit_open", "circuit_open_engines", "Engines out of routing until their health recovers."),
 )
-# Per-pool gauges (PD): (metric name after "pool_", stats key, help)
+# Per-pool gauges (PD): (metric name after "pool_", the pool's FleetStats attribute, help)
 _PER_POOL = (
     ("num_requests_running", "num_running", "Requests in model execution batches, per pool"),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled, per pool"),
     ("num_engines", "num_engines", "Engines in the pool"),
 )
 
-# Per-engine gauges: (metric name after "engine_", stats key, help)
-_PER_ENGINE = (
-    ("num_requests_running", "num_running", "Requests in model execution batches"),
-    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled"),
-    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use"),
-    ("kv_cache_free_blocks", "num_free_blocks", "KV cache blocks in the free pool"),
-    ("kv_cache_total_blocks", "num_total_blocks", "KV cache blocks in total"),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-    ("num_requests_routed", "num_routed", "Requests this process routed to the engine"),
-    ("prefixes_reported", "num_prefixes", "Prompt-prefix hashes the engine reports holding (routing stats)"),
+
+def _reported(name: str) -> Callable[[EngineEntry], float | None]:
+    """An engine's own figure, None (not exported) before it first reported."""
+    return lambda engine: None if engine.stats is None else getattr(engine.stats, name)
+
+
+# Per-engine gauges: (metric name after "engine_", the value of an engine entry or None when it has none, help)
+_PER_ENGINE: tuple[tuple[str, Callable[[EngineEntry], float | None], str], ...] = (
+    ("num_requests_running", _reported("num_running"), "Requests in model execution batches"),
+    ("num_requests_waiting", _reported("num_waiting"), "Requests waiting to be scheduled"),
+    ("kv_cache_usage_perc", _reported("kv_cache_usage"), "Fraction of KV cache blocks in use"),
+    ("kv_cache_free_blocks", _reported("num_free_blocks"), "KV cache blocks in the free pool"),
+    ("kv_cache_total_blocks", _reported("num_total_blocks"), "KV cache blocks in total"),
+    ("prefix_cache_hits", _reported("prefix_cache_hits"), "Prompt tokens found in the prefix cache"),
+    ("num_requests_routed", lambda engine: engine.num_routed, "Requests this process routed to the engine"),
+    ("prefixes_reported", lambda engine: engine.num_prefixes, "Prompt-prefix hashes the engine reports holding "
+                                                              "(routing stats)"),
 )
 
 
 class EngineStatsCollector(Collector):
-    """Reads the engines' aggregated stats at scrape time."""
+    """Reads the engines' fleet snapshot (`FleetStats`) at scrape time."""
 
-    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model_name: str, stats_fn: Callable[[], FleetStats | None]) -> None:
         self.model_name = model_name
         self.stats_fn = stats_fn
 
     def collect(self):
         try:
-            stats = self.stats_fn() or {}
+            stats = self.stats_fn() or FleetStats()
         except Exception:  # a scrape must not fail because one engine is unreachable
             logger.exception("reading engine stats for /metrics failed")
-            stats = {}
+            stats = FleetStats()
         for name, key, help_text in _GAUGES:
             family = GaugeMetricFamily(PREFIX + name, help_text, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats.get(key, 0) or 0))
+            family.add_metric([self.model_name], float(getattr(stats, key)))
             yield family
         for name, key, help_text in _COUNTERS:
             family = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats.get(key, 0) or 0))
+            family.add_metric([self.model_name], float(getattr(stats, key)))
             yield family
-        per_engine = stats.get("engines") or []
         healthy = GaugeMetricFamily(PREFIX + "engine_healthy", "1 when an engine is healthy.",
                                     labels=["model_name", "engine_index"])
-        for i, engine_stats in enumerate(per_engine):
-            index = str(engine_stats.get("engine_index", i))
-            healthy.add_metric([self.model_name, index], 1.0 if engine_stats.get("healthy", True) else 0.0)
+        for engine in stats.engines:
+            healthy.add_metric([self.model_name, engine.label], 1.0 if engine.healthy else 0.0)
         yield healthy
-        yield from self._per_engine(per_engine)
-        yield from self._kv_views(per_engine)
+        yield from self._per_engine(stats.engines)
+        yield from self._kv_views(stats.engines)
         yield from self._routing(stats)
         yield from self._disaggregated(stats)
         yield from self._spec_decode(stats)
         yield from self._fault_tolerance(stats)
-        yield from self._lora(per_engine)
+        yield from self._lora(stats.engines)
 
-    def _fault_tolerance(self, stats: dict):
+    def _fault_tolerance(self, stats: FleetStats):
         """Migrations, overload retries and the circuit breaker (when the client reports them)."""
-        fault = stats.get("fault_tolerance")
+        fault = stats.fault_tolerance
         if fault is None:
             return
         for families, family_type in ((_FAULT_COUNTERS, CounterMetricFamily), (_FAULT_GAUGES, GaugeMetricFamily)):
@@ -169,9 +158,9 @@ class EngineStatsCollector(Collector):
                 family.add_metric([self.model_name], float(fault.get(key, 0) or 0))
                 yield family
 
-    def _lora(self, per_engine: list[dict]):
+    def _lora(self, engines: list[EngineEntry]):
         """Adapter loads into resident slots and evictions from them, summed over the engines (with LoRA)."""
-        figures = [e["lora"] for e in per_engine if e.get("lora")]
+        figures = [e.stats.lora for e in engines if e.stats is not None and e.stats.lora]
         if not figures:
             return
         for name, key, help_text in (("lora_adapter_loads", "loads", "LoRA adapters loaded into resident slots."),
@@ -182,9 +171,9 @@ class EngineStatsCollector(Collector):
             family.add_metric([self.model_name], float(sum(f.get(key, 0) for f in figures)))
             yield family
 
-    def _spec_decode(self, stats: dict):
+    def _spec_decode(self, stats: FleetStats):
         """Speculative decoding counters (only when the engines speculate)."""
-        spec = stats.get("spec_decoding")
+        spec = stats.spec_decoding
         if spec is None:
             return
         for name, key, help_text in _SPEC_COUNTERS:
@@ -198,9 +187,9 @@ class EngineStatsCollector(Collector):
             family.add_metric([self.model_name, str(position)], float(count))
         yield family
 
-    def _disaggregated(self, stats: dict):
+    def _disaggregated(self, stats: FleetStats):
         """Prefill/decode: KV transfer figures and per-pool load (only in the PD shape)."""
-        kv = stats.get("kv_transfer")
+        kv = stats.kv_transfer
         if kv is not None:
             for name, key, help_text in _KV_COUNTERS:
                 family = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
@@ -216,14 +205,14 @@ class EngineStatsCollector(Collector):
             timing.add_metric([self.model_name], count_value=float(kv.get("loads", 0) or 0),
                               sum_value=float(kv.get("load_seconds", 0.0) or 0.0))
             yield timing
-        pools = stats.get("pools")
+        pools = stats.pools
         if pools:
             for name, key, help_text in _PER_POOL:
                 family = GaugeMetricFamily(PREFIX + "pool_" + name, help_text, labels=["model_name", "pool"])
                 for pool, pool_stats in pools.items():
-                    family.add_metric([self.model_name, pool], float(pool_stats.get(key, 0) or 0))
+                    family.add_metric([self.model_name, pool], float(getattr(pool_stats, key)))
                 yield family
-        pd = stats.get("pd")
+        pd = stats.pd
         if pd is not None:
             family = CounterMetricFamily(PREFIX + "pd_requests", "Requests by how the PD router served them "
                                          "(pd_requests: prefill then decode; prefill_answers: the prefill's token "
@@ -234,27 +223,27 @@ class EngineStatsCollector(Collector):
                 family.add_metric([self.model_name, path], float(count))
             yield family
 
-    def _per_engine(self, per_engine: list[dict]):
+    def _per_engine(self, engines: list[EngineEntry]):
         """Each engine's own figures, labelled by engine (a replica id under Serve)."""
         labels = ["model_name", "engine_index"]
-        for name, key, help_text in _PER_ENGINE:
+        for name, value_of, help_text in _PER_ENGINE:
             family = GaugeMetricFamily(PREFIX + "engine_" + name, help_text + " (per engine)", labels=labels)
-            for i, engine_stats in enumerate(per_engine):
-                if key in engine_stats:
-                    family.add_metric([self.model_name, str(engine_stats.get("engine_index", i))],
-                                      float(engine_stats.get(key) or 0))
+            for engine in engines:
+                value = value_of(engine)
+                if value is not None:
+                    family.add_metric([self.model_name, engine.label], float(value))
             yield family
 
-    def _routing(self, stats: dict):
+    def _routing(self, stats: FleetStats):
         engines = GaugeMetricFamily(PREFIX + "num_engines", "Engines (replicas) known to the router.",
                                     labels=["model_name"])
-        engines.add_metric([self.model_name], float(stats.get("num_engines", 0) or 0))
+        engines.add_metric([self.model_name], float(stats.num_engines))
         yield engines
         healthy = GaugeMetricFamily(PREFIX + "num_healthy_engines", "Engines reporting healthy.",
                                     labels=["model_name"])
-        healthy.add_metric([self.model_name], float(stats.get("num_healthy_engines", 0) or 0))
+        healthy.add_metric([self.model_name], float(stats.num_healthy_engines))
         yield healthy
-        decisions = stats.get("routing_decisions")
+        decisions = stats.routing_decisions
         if decisions is not None:
             family = CounterMetricFamily(PREFIX + "routing_decisions", "Routing decisions of this process's "
                                          "router, by kind (exact routing: exact_hit, offload_hit, miss, stale_fallback; "
@@ -263,14 +252,14 @@ class EngineStatsCollector(Collector):
             for decision, count in sorted(decisions.items()):
                 family.add_metric([self.model_name, decision], float(count))
             yield family
-        kv = stats.get("kv_routing")
+        kv = stats.kv_routing
         if kv is not None:
             yield from self._kv_routing(kv)
 
-    def _kv_views(self, per_engine: list[dict]):
+    def _kv_views(self, engines: list[EngineEntry]):
         """Per engine and tier: the prefix blocks the router's KV index holds for it, and the blocks the
         engine says it holds (equal while the view is in sync and the engine idle)."""
-        views = [(str(e.get("engine_index", i)), e["kv_view"]) for i, e in enumerate(per_engine) if e.get("kv_view")]
+        views = [(e.label, e.kv_view) for e in engines if e.kv_view]
         if not views:
             return
         labels = ["model_name", "engine_index", "tier"]
@@ -318,7 +307,7 @@ _KV_INDEX_COUNTERS = (
 class ServingMetrics:
     """The metrics of one app. Observe per-request timings; `render()` gives the exposition text."""
 
-    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, Any]], max_model_len: int = 4096) -> None:
+    def __init__(self, model_name: str, stats_fn: Callable[[], FleetStats | None], max_model_len: int = 4096) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
