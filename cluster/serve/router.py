@@ -56,7 +56,7 @@ from pagedserve.cluster.serve.router_registry import register
 from pagedserve.cluster.serve.routing_policy import (
     Holding, RoutingParams, RoutingPolicy, engine_load, prefer_holders, prefix_hashes, short_hash,
 )
-from pagedserve.engine.lora.request import SAMPLING_KEY
+from pagedserve.engine.lora.request import SAMPLING_KEY, pop_lora_request
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,23 @@ def adapter_of(pending_request: PendingRequest | None) -> str | None:
     params = args[2] if len(args) > 2 else kwargs.get("sampling_params")
     lora = params.get(SAMPLING_KEY) if isinstance(params, dict) else None
     return lora.get("lora_name") if isinstance(lora, dict) else None
+
+
+def lora_key_of(pending_request: PendingRequest | None) -> tuple:
+    """The prefix-cache key of the LoRA adapter a `generate` call runs under (`LoRARequest.cache_key`, parsed
+    from its sampling params exactly as the engine host parses it), () for the base model. A malformed
+    adapter gives (): the engine host rejects that request before it reaches a cache."""
+    if pending_request is None or pending_request.metadata.call_method != "generate":
+        return ()
+    args, kwargs = pending_request.args, pending_request.kwargs
+    params = args[2] if len(args) > 2 else kwargs.get("sampling_params")
+    if not isinstance(params, dict):
+        return ()
+    try:
+        _, lora = pop_lora_request(params)
+    except (TypeError, ValueError):
+        return ()
+    return lora.cache_key if lora is not None else ()
 
 
 def request_of(pending_request: PendingRequest | None) -> tuple[str | None, str | None]:
@@ -169,14 +186,15 @@ class PrefixAffinityRouter(RequestRouter):
 
     def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
                cache_salt: str | None = None, request_id: str | None = None,
-               adapter: str | None = None) -> RunningReplica:
+               adapter: str | None = None, lora_key: tuple = ()) -> RunningReplica:
         """The policy's choice among `replicas` for this prompt (None: load only), among the replicas that hold
-        its LoRA `adapter` first (`prefer_holders`); remembers the prefix."""
-        return self._choose(replicas, prompt, cache_salt, request_id, adapter)[0]
+        its LoRA `adapter` (by name) first (`prefer_holders`); remembers the prefix. The prompt's hashes carry
+        `cache_salt` and the adapter's `lora_key` (`LoRARequest.cache_key`) as the engine's do."""
+        return self._choose(replicas, prompt, cache_salt, request_id, adapter, lora_key)[0]
 
     def _choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
                 cache_salt: str | None = None, request_id: str | None = None,
-                adapter: str | None = None) -> tuple[RunningReplica, str]:
+                adapter: str | None = None, lora_key: tuple = ()) -> tuple[RunningReplica, str]:
         by_id = {r.replica_id: r for r in replicas}
         for r in replicas:
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
@@ -190,9 +208,9 @@ class PrefixAffinityRouter(RequestRouter):
                            if (r.routing_stats or {}).get("block_size")), None)
         if (self.exact_routing and prompt and block_size
                 and any("kv_events" in (r.routing_stats or {}) for r in healthy)):
-            choice, decision = self._choose_exact(healthy, prompt, block_size, cache_salt, request_id)
+            choice, decision = self._choose_exact(healthy, prompt, block_size, cache_salt, request_id, lora_key)
             return by_id[choice], decision
-        hashes = prefix_hashes(prompt, block_size, self.policy.params.affinity_blocks, cache_salt) \
+        hashes = prefix_hashes(prompt, block_size, self.policy.params.affinity_blocks, cache_salt, lora_key) \
             if prompt and block_size else []
 
         def holder(block_hash: bytes) -> ReplicaID | None:
@@ -216,12 +234,13 @@ class PrefixAffinityRouter(RequestRouter):
                 self._ray_counter = None
 
     def _choose_exact(self, healthy: Sequence[RunningReplica], prompt: Sequence[int], block_size: int,
-                      cache_salt: str | None, request_id: str | None) -> tuple[ReplicaID, str]:
+                      cache_salt: str | None, request_id: str | None,
+                      lora_key: tuple = ()) -> tuple[ReplicaID, str]:
         now = time.monotonic()
         for replica in healthy:
             self.index.update(replica.replica_id, (replica.routing_stats or {}).get("kv_events"), now)
         # Only blocks the engine can hit: its hit stops short of the prompt's last token.
-        hashes = prefix_hashes(prompt, block_size, (len(prompt) - 1) // block_size, cache_salt)
+        hashes = prefix_hashes(prompt, block_size, (len(prompt) - 1) // block_size, cache_salt, lora_key)
         keys = [key_of(h) for h in hashes]
         approx = hashes[:self.policy.params.affinity_blocks]
         by_id = {r.replica_id: r for r in healthy}
@@ -273,12 +292,13 @@ class PrefixAffinityRouter(RequestRouter):
             return [named or [min(candidate_replicas, key=self.replica_load)]]
         request_id, cache_salt = request_of(pending_request)
         adapter = adapter_of(pending_request)
+        lora_key = lora_key_of(pending_request)
         prompt = prompt_of(pending_request)
         if request_id is None:
-            choice = self.choose(candidate_replicas, prompt, cache_salt, adapter=adapter)
+            choice = self.choose(candidate_replicas, prompt, cache_salt, adapter=adapter, lora_key=lora_key)
         else:
             choice, record = timed_choice(
-                lambda: self._choose(candidate_replicas, prompt, cache_salt, request_id, adapter),
+                lambda: self._choose(candidate_replicas, prompt, cache_salt, request_id, adapter, lora_key),
                 candidate_replicas, self.replica_load, self._deployment_id.name,
                 name=lambda replica: replica.replica_id.unique_id)
             self.route_log.record(request_id, record)

@@ -66,10 +66,12 @@ def engine_load(in_flight: float, stats: Mapping | None, kv_weight: float) -> fl
 
 
 def prefix_hashes(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int | None,
-                  cache_salt: str | None = None) -> list[BlockHash]:
+                  cache_salt: str | None = None, lora_key: tuple = ()) -> list[BlockHash]:
     """Chained hashes of the prompt's first `max_blocks` full blocks (the j-th covers blocks 0..j), as
-    the engine's prefix cache computes them (salted by `cache_salt`)."""
-    return prompt_block_hashes(prompt_token_ids, block_size, cache_salt, max_blocks)
+    the engine's prefix cache computes them: salted by `cache_salt` and keyed by the LoRA adapter the
+    request runs under (`lora_key`: `LoRARequest.cache_key`, () for the base model), through the one
+    chain both share (`block_pool.first_block_extra_keys`)."""
+    return prompt_block_hashes(prompt_token_ids, block_size, cache_salt, max_blocks, lora_key)
 
 
 def prefer_holders(candidates: Sequence[K], load: Callable[[K], float], holds: Callable[[K], bool],
