@@ -101,7 +101,7 @@ def test_exact_prediction_equals_the_engine_hit_and_never_crosses_adapters():
 
 
 def test_approximate_routing_keys_reported_prefixes_by_adapter():
-    router, replicas = make_router(3, exact_routing=False)
+    router, replicas = make_router(3, routing_policy="prefix_approx")
     # What an engine host reports having served under adapter A (engine_host._remember hashes the same way).
     replicas[2].routing_stats["prefix_hashes"] = [
         short_hash(h) for h in prefix_hashes(PREFIX, BS, 8, None, ADAPTER_A.cache_key)]

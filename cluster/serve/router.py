@@ -21,7 +21,13 @@ requests in a row out of the choice until its cooldown has passed and its routin
 healthy again; the engine client reports each request's outcome by Serve's internal request id
 (`record_outcome`), which `on_request_routed` maps to the replica.
 
-Exact routing (`exact_routing`, on by default): where the replicas publish their KV events with their
+The policy (`routing_policy`, ServeArgs.routing_policy; settings.ROUTING_POLICIES): "exact" (the default,
+below), "prefix_approx" (the approximate prefix affinity above, ignoring KV events), "power_of_two" (the
+less loaded of two random replicas) or "random"; the last two are blind to prefixes and adapters and exist
+as baselines (`pagedserve bench serve --compare-routing`). Health and the circuit breaker narrow the
+candidates under every policy.
+
+Exact routing (routing_policy "exact"): where the replicas publish their KV events with their
 routing stats (kv_feed.py), the router keeps its own index of what each replica's KV tiers hold
 (kv_index.ClusterKVIndex) and scores each candidate by the prompt tokens it holds, device first, then
 offload, against its load (routing_policy.choose_by_holdings); a replica whose view is stale is scored
@@ -56,6 +62,7 @@ from pagedserve.cluster.serve.router_registry import register
 from pagedserve.cluster.serve.routing_policy import (
     Holding, RoutingParams, RoutingPolicy, engine_load, prefer_holders, prefix_hashes, short_hash,
 )
+from pagedserve.cluster.settings import check_routing_policy
 from pagedserve.engine.lora.request import SAMPLING_KEY, pop_lora_request
 
 logger = logging.getLogger(__name__)
@@ -147,7 +154,7 @@ class PrefixAffinityRouter(RequestRouter):
         imbalance_slack: float = 2.0,
         failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
         breaker_cooldown_s: float = DEFAULT_COOLDOWN_S,
-        exact_routing: bool = True,
+        routing_policy: str = "exact",
         offload_weight: float = 0.5,
         silent_after_s: float = 10.0,
         recent_routes_s: float = 5.0,
@@ -155,7 +162,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.policy: RoutingPolicy[ReplicaID] = RoutingPolicy(
             RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack,
                           offload_weight), seed=seed)
-        self.exact_routing = exact_routing
+        self.routing_policy = check_routing_policy(routing_policy)
         self.index = ClusterKVIndex(silent_after_s)
         self.recent = RecentRoutes(recent_routes_s)
         self.predictions: OrderedDict[str, int] = OrderedDict()  # request id -> predicted cached tokens
@@ -170,6 +177,11 @@ class PrefixAffinityRouter(RequestRouter):
         self.route_log = RouteLog()  # each request's decision, for its trace (the ingress takes it)
 
     # ------------------------------------------------------------------ the choice
+
+    @property
+    def exact_routing(self) -> bool:
+        """Whether this router keeps a KV index and routes on it (the "exact" policy)."""
+        return self.routing_policy == "exact"
 
     def replica_load(self, replica: RunningReplica) -> float:
         cached = self._replica_queue_len_cache.get(replica.replica_id) or 0
@@ -200,6 +212,14 @@ class PrefixAffinityRouter(RequestRouter):
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
         healthy = [r for r in healthy if not self.breaker.is_open(r.replica_id)] or healthy
+        if self.routing_policy in ("random", "power_of_two"):
+            ids = [r.replica_id for r in healthy]
+            if self.routing_policy == "random":
+                choice, decision = self.policy.choose_random(ids)
+            else:
+                choice, decision = self.policy.choose_least_loaded_of_two(ids, lambda rid: self.replica_load(by_id[rid]))
+            self._count_in_ray(decision)
+            return by_id[choice], decision
         if adapter is not None:
             healthy = prefer_holders(healthy, self.replica_load,
                                      lambda r: adapter in ((r.routing_stats or {}).get("lora_adapters") or ()),
@@ -268,7 +288,10 @@ class PrefixAffinityRouter(RequestRouter):
         return choice, decision
 
     def _sync_index(self, replicas: Sequence[RunningReplica]) -> None:
-        """Apply the KV reports in the replicas' latest routing stats to this router's index."""
+        """Apply the KV reports in the replicas' latest routing stats to this router's index (kept under the
+        exact policy only)."""
+        if not self.exact_routing:
+            return
         now = time.monotonic()
         for replica in replicas:
             report = (replica.routing_stats or {}).get("kv_events")
@@ -348,8 +371,7 @@ class PrefixAffinityRouter(RequestRouter):
         for gone in [rid for rid in self.index.views if rid not in live]:
             self.index.forget(gone)
             self.recent.forget(gone)
-        if self.exact_routing:  # every broadcast of the stats: fewer reports missed, fewer resyncs
-            self._sync_index(replicas)
+        self._sync_index(replicas)  # every broadcast of the stats: fewer reports missed, fewer resyncs
         for table in (self.in_flight, self.num_routed):
             for gone in [rid for rid in table if rid not in live]:
                 table.pop(gone, None)

@@ -17,6 +17,9 @@ prefix plus `offload_weight` times the tokens that continue it in an offload tie
 than a prefill, dearer than a hit); the highest score wins among the candidates whose load is within the
 imbalance bound of the two-choice winner, ties to the less loaded. A candidate whose view is stale is
 scored by the approximate signals (what it reported serving, where this router sent prefixes).
+
+The cache-blind baselines a benchmark compares against (`ServeArgs.routing_policy`): `choose_random`
+(uniformly at random) and `choose_least_loaded_of_two` (power of two choices by load, no prefix at all).
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ SINGLE = "single"  # one candidate only
 AFFINE = "prefix_affine"  # the holder of the longest known prefix, within the imbalance bound
 FALLBACK = "prefix_fallback"  # a prefix holder existed but was too loaded: the two-choice winner instead
 BALANCED = "balanced"  # no known prefix: the less loaded of two random candidates
+RANDOM = "random"  # the random policy: uniformly at random
 # Exact routing's kinds.
 EXACT_HIT = "exact_hit"  # the choice holds a prefix of the prompt on its device
 OFFLOAD_HIT = "offload_hit"  # ... part of it only in an offload tier
 MISS = "miss"  # no candidate within the bound holds any of it: the two-choice winner
 STALE_FALLBACK = "stale_fallback"  # the choice's view was stale: scored approximately
-DECISIONS = (SINGLE, AFFINE, FALLBACK, BALANCED, EXACT_HIT, OFFLOAD_HIT, MISS, STALE_FALLBACK)
+DECISIONS = (SINGLE, AFFINE, FALLBACK, BALANCED, RANDOM, EXACT_HIT, OFFLOAD_HIT, MISS, STALE_FALLBACK)
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,24 @@ class RoutingPolicy(Generic[K]):
         if load(affine) <= self.params.imbalance_factor * load(choice) + self.params.imbalance_slack:
             return self._count(affine, AFFINE)
         return self._count(choice, FALLBACK)
+
+    def choose_random(self, candidates: Sequence[K]) -> tuple[K, str]:
+        """(choice, decision): one candidate uniformly at random (the cache-blind, load-blind baseline)."""
+        if not candidates:
+            raise ValueError("candidates: need at least one")
+        if len(candidates) == 1:
+            return self._count(candidates[0], SINGLE)
+        return self._count(self._rng.choice(list(candidates)), RANDOM)
+
+    def choose_least_loaded_of_two(self, candidates: Sequence[K], load: Callable[[K], float]) -> tuple[K, str]:
+        """(choice, decision): the less loaded of two candidates drawn at random (power of two choices, blind
+        to what any cache holds)."""
+        if not candidates:
+            raise ValueError("candidates: need at least one")
+        if len(candidates) == 1:
+            return self._count(candidates[0], SINGLE)
+        first, second = self._rng.sample(list(candidates), 2)
+        return self._count(first if load(first) <= load(second) else second, BALANCED)
 
     def choose_by_holdings(self, candidates: Sequence[K], load: Callable[[K], float],
                            holding: Callable[[K], Holding]) -> tuple[K, str, Holding]:
