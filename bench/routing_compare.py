@@ -8,7 +8,8 @@ engine: on CPU one /dev/shm tier that the node's engines share). Each app starts
 
 Per policy: TTFT p50/p90, output throughput and the prefix hit rate, from the server's own counters on
 /metrics before and after the run: (device prefix-cache hits + tokens reloaded from the tier) / prompt
-tokens looked up; and the router's decisions by kind. The summary sets the ratios the issue aims at (exact
+tokens looked up; the router's decisions by kind; and, under exact routing, how many requests' predicted
+cached tokens equalled what their engine found. The summary sets the ratios the issue aims at (exact
 vs approximate P90 TTFT; the tier vs exact alone, hit rate and throughput) beside their targets.
 """
 
@@ -83,6 +84,9 @@ def cache_counters(metrics_text: str) -> dict[str, float]:
             elif name == "routing_decisions_total" and "decision" in sample.labels:
                 key = "decision:" + sample.labels["decision"]
                 out[key] = out.get(key, 0.0) + sample.value
+            elif name == "routing_cached_token_predictions_total" and "outcome" in sample.labels:
+                key = "prediction:" + sample.labels["outcome"]
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
@@ -102,7 +106,10 @@ def cache_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
             "prefix_hit_rate": hits / queries if queries else 0.0,
             "device_hit_rate": diff.get("device_hits", 0.0) / queries if queries else 0.0,
             "routing_decisions": {k.removeprefix("decision:"): int(v) for k, v in diff.items()
-                                  if k.startswith("decision:") and v}}
+                                  if k.startswith("decision:") and v},
+            # Exact routing's predicted cached tokens checked against the engines' hits, per request.
+            "predictions": {k.removeprefix("prediction:"): int(v) for k, v in diff.items()
+                            if k.startswith("prediction:")}}
 
 
 # --------------------------------------------------------------------------- the comparison
@@ -159,10 +166,15 @@ def table(entries: Sequence[dict[str, Any]]) -> str:
         f, cache = figures(e), e["cache"]
         rows.append([e["policy"], f"{e['completed']}/{e['num_requests']}", f["ttft_p50_ms"], f["ttft_p90_ms"],
                      f["output_tokens_per_s"], f"{cache['prefix_hit_rate']:.1%}", f"{cache['device_hit_rate']:.1%}",
-                     cache["tier_hit_tokens"],
+                     cache["tier_hit_tokens"], _predicted(cache.get("predictions") or {}),
                      " ".join(f"{k}={v}" for k, v in sorted(cache["routing_decisions"].items())) or "-"])
     return rep.table(["policy", "done", "TTFT p50 ms", "TTFT p90 ms", "out tok/s", "prefix hit", "device hit",
-                      "tier tokens", "router decisions"], rows)
+                      "tier tokens", "predicted exactly", "router decisions"], rows)
+
+
+def _predicted(predictions: dict[str, int]) -> str:
+    checked = predictions.get("match", 0) + predictions.get("mismatch", 0)
+    return f"{predictions.get('match', 0)}/{checked}" if checked else "-"
 
 
 def aims_lines(aims: dict[str, Any]) -> list[str]:

@@ -89,23 +89,25 @@ def test_policy_arms_and_their_settings():
     assert {arm.routing_policy for arm in rc.POLICY_RUNS.values()} == set(ROUTING_POLICIES)
 
 
-def _metrics(queries: float, hits: float, tier: float, decisions: dict[str, float]) -> str:
+def _metrics(queries: float, hits: float, tier: float, decisions: dict[str, float],
+             checked: int = 0, matched: int = 0) -> str:
     """The /metrics text of the server (its own renderer) with these counters."""
     from pagedserve.cluster.serving.metrics import ServingMetrics
 
     stats = {"prefix_cache_queries": queries, "prefix_cache_hits": hits, "kv_offload_hit_tokens": tier,
-             "routing_decisions": decisions}
+             "routing_decisions": decisions, "kv_routing": {"checked": checked, "matched": matched}}
     return ServingMetrics("m", lambda: stats, max_model_len=64).render()[0].decode()
 
 
 def test_cache_counters_and_the_runs_delta_come_from_the_servers_metrics():
-    before = rc.cache_counters(_metrics(100, 20, 0, {"exact_hit": 1}))
-    after = rc.cache_counters(_metrics(1100, 520, 300, {"exact_hit": 9, "miss": 3}))
+    before = rc.cache_counters(_metrics(100, 20, 0, {"exact_hit": 1}, checked=1, matched=1))
+    after = rc.cache_counters(_metrics(1100, 520, 300, {"exact_hit": 9, "miss": 3}, checked=12, matched=10))
     assert before["queries"] == 100 and after["tier_hits"] == 300 and after["decision:miss"] == 3
     delta = rc.cache_delta(before, after)
     assert delta["queried_tokens"] == 1000 and delta["device_hit_tokens"] == 500 and delta["tier_hit_tokens"] == 300
     assert delta["prefix_hit_rate"] == pytest.approx(0.8) and delta["device_hit_rate"] == pytest.approx(0.5)
     assert delta["routing_decisions"] == {"exact_hit": 8, "miss": 3}
+    assert delta["predictions"] == {"match": 9, "mismatch": 2}
     assert rc.cache_delta(before, before)["prefix_hit_rate"] == 0.0
 
 
@@ -145,7 +147,7 @@ def test_compare_runs_each_arm_on_its_own_app_and_always_deletes_it():
     assert aims["hit_rate_tier_over_exact"]["ratio"] == pytest.approx(1.8) and not aims["hit_rate_tier_over_exact"]["met"]
     assert aims["throughput_tier_over_exact"]["met"]
     text = rc.table(entries)
-    assert "exact+offload" in text and "TTFT p90 ms" in text
+    assert "exact+offload" in text and "TTFT p90 ms" in text and "predicted exactly" in text
     assert any("not met" in line for line in rc.aims_lines(aims))
 
     # A run that fails still deletes its app; the error propagates.

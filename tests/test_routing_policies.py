@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import (
-    AFFINE, BALANCED, EXACT_HIT, RANDOM, SINGLE, RoutingPolicy, prefix_hashes, short_hash,
+    AFFINE, BALANCED, EXACT_HIT, MISS, RANDOM, SINGLE, Holding, RoutingPolicy, prefix_hashes, short_hash,
 )
 from pagedserve.cluster.settings import ROUTING_POLICIES, check_routing_policy
 from tests.test_kv_index import BS, FakeEngine, _replicas_from
@@ -107,3 +107,32 @@ def test_serve_args_validate_and_carry_the_policy(tmp_path):
     assert serve_args_from(ns).routing_policy == "random"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", str(tmp_path), "--routing-policy", "nope"])
+
+
+def test_an_exact_miss_stays_where_the_prefix_went_last_within_the_bound():
+    policy: RoutingPolicy[str] = RoutingPolicy(seed=0)
+    loads = {"a": 0.0, "b": 0.0, "c": 1.0}
+    nothing = lambda key: Holding()  # noqa: E731 - evicted everywhere
+    for _ in range(20):
+        assert policy.choose_by_holdings(list(loads), loads.__getitem__, nothing, last_sent="c")[:2] == ("c", MISS)
+    loads["c"] = 5.0  # beyond 2 * 0 + 2: the two-choice winner instead
+    assert all(policy.choose_by_holdings(list(loads), loads.__getitem__, nothing, last_sent="c")[0] != "c"
+               for _ in range(20))
+    # A holder still beats where the prefix went last.
+    held = {"a": Holding(), "b": Holding(16, 0), "c": Holding()}
+    loads["c"] = 0.0
+    assert policy.choose_by_holdings(list(loads), loads.__getitem__, held.__getitem__, last_sent="c")[:2] == \
+        ("b", EXACT_HIT)
+
+
+def test_the_router_keeps_a_missed_tenant_where_it_sent_it():
+    router, replicas = make_router(3)
+    engines = [FakeEngine(64) for _ in replicas]
+    feeds = [KVEventFeed(e, f"i{n}", snapshot_every=1000) for n, e in enumerate(engines)]
+    _replicas_from(router, replicas, feeds)  # every view fresh, nothing held anywhere
+    first = router.choose(replicas, PREFIX + [1], None, "m0")
+    router.recent.forget(first.replica_id)  # as if its report came and said the prefix was evicted again
+    for n in range(10):
+        assert router.choose(replicas, PREFIX + [n + 2], None, f"m{n + 1}") is first
+        router.recent.forget(first.replica_id)
+    assert router.policy.decisions[MISS] == 11

@@ -277,7 +277,8 @@ class PrefixAffinityRouter(RequestRouter):
             return Holding(n * block_size, 0, stale=True)
 
         choice, decision, held = self.policy.choose_by_holdings(
-            list(by_id), lambda rid: self.replica_load(by_id[rid]), holding)
+            list(by_id), lambda rid: self.replica_load(by_id[rid]), holding,
+            last_sent=self.policy.sent_to(list(by_id), approx))
         self._count_in_ray(decision)
         self.recent.remember(keys, choice, now)
         self.policy.remember(approx, choice)

@@ -178,8 +178,12 @@ class RoutingPolicy(Generic[K]):
         return self._count(first if load(first) <= load(second) else second, BALANCED)
 
     def choose_by_holdings(self, candidates: Sequence[K], load: Callable[[K], float],
-                           holding: Callable[[K], Holding]) -> tuple[K, str, Holding]:
-        """(choice, decision, what the choice holds): exact routing (see the module docstring)."""
+                           holding: Callable[[K], Holding], last_sent: K | None = None) -> tuple[K, str, Holding]:
+        """(choice, decision, what the choice holds): exact routing (see the module docstring). On a miss (no
+        candidate within the bound holds any of the prompt) the choice is `last_sent`, where this prefix went
+        last, when it is a candidate within the bound: a tenant whose prefix was evicted everywhere stays
+        where its next request will find what this one stores, instead of moving its working set to whichever
+        replica the two-choice draw favours (which fills that replica's cache with another's tenants)."""
         if not candidates:
             raise ValueError("candidates: need at least one")
         if len(candidates) == 1:
@@ -199,6 +203,9 @@ class RoutingPolicy(Generic[K]):
             rank = (score, -load(key))
             if best_key is None or rank > best_key:
                 best, best_key, best_holding = key, rank, held
+        if best_key is None and last_sent is not None and last_sent != winner and last_sent in candidates \
+                and load(last_sent) <= bound:
+            best, best_holding = last_sent, holding(last_sent)
         if best_holding.stale:
             decision = STALE_FALLBACK
         elif best_key is None:
@@ -222,6 +229,10 @@ class RoutingPolicy(Generic[K]):
         """Drop what was remembered about a candidate that went away."""
         for block_hash in [h for h, k in self._affinity.items() if k == key]:
             del self._affinity[block_hash]
+
+    def sent_to(self, candidates: Sequence[K], hashes: Sequence[BlockHash]) -> K | None:
+        """The candidate this policy last sent the longest remembered prefix of `hashes` to, else None."""
+        return self._affine(candidates, hashes, None)
 
     def _affine(self, candidates: Sequence[K], hashes: Sequence[BlockHash],
                 holder: Callable[[BlockHash], K | None] | None) -> K | None:
