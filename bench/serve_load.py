@@ -16,6 +16,14 @@ The roofline of a rate's decode step: by Little's law the mean number of sequenc
 is output tokens/s x mean TPOT; each step is one such batch at the mean context (prompt + half the
 output), measured as the mean TPOT.
 
+`--workload shared-prefix` sends many tenants' requests, each tenant a long system context
+(`--context-len`) and `--questions` short follow-ups (`--question-len`), the tenants interleaved round by
+round (bench/workload.SharedPrefixShape); with `--start-server` each engine's KV cache is sized so that
+the contexts need `--kv-demand-ratio` (default 2) times one engine's cache. `--compare-routing all` (with
+`--start-server` and one rate) runs it once per routing policy on the same engine settings (random,
+power_of_two, prefix_approx, exact, exact+offload: bench/routing_compare.py) and reports TTFT p50/p90,
+output throughput and the prefix hit rate of each.
+
 `--chaos-kill-every S` runs every rate a second time while an engine replica is killed every S
 seconds (bench/chaos.py) and reports both side by side: goodput, p99 TTFT/TPOT, and the longest
 stall a stream saw (the cost of a migration).
@@ -31,13 +39,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.bench import chaos, common
+from pagedserve.bench import chaos, common, routing_compare
 from pagedserve.bench import report as rep
 from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
 from pagedserve.bench.overhead_split import overhead_delta, overhead_table, scrape
 from pagedserve.bench.roofline import Machine, ModelFacts, step_roofline
 from pagedserve.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
-from pagedserve.bench.workload import BenchRequest, parse_range, synthetic
+from pagedserve.bench.workload import (
+    BenchRequest, SharedPrefixShape, parse_range, shared_prefix, synthetic, vocab_token_ids,
+)
 
 
 def parse_rates(text: str) -> list[float]:
@@ -78,6 +88,27 @@ def add_server_args(p: argparse.ArgumentParser, kv_cache_memory: str = "256MiB")
     g.add_argument("--kv-connector", default="ray", choices=["ray", "torch_p2p"], help="KV transport with --pd")
     g.add_argument("--routing-overhead", type=int, default=0, metavar="N",
                    help="also time N one-token requests through the Serve handle and in-process")
+    g.add_argument("--routing-policy", default=None, choices=list(routing_compare.POLICY_RUNS)[:4],
+                   help="the engine router's policy (default exact)")
+    g.add_argument("--kv-offload-size", default=None,
+                   help="a KV offload tier per engine, e.g. 256MiB (with --compare-routing: the exact+offload arm's; "
+                        "default 256MiB there)")
+
+
+def add_shared_prefix_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-tenant shared-prefix workload (--workload shared-prefix)")
+    g.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
+                   help="random prompts (--input-len), or tenants with long shared contexts and short questions")
+    g.add_argument("--tenants", type=int, default=16, help="tenants, each with its own system context")
+    g.add_argument("--context-len", type=int, default=512, help="tokens of each tenant's system context")
+    g.add_argument("--questions", type=int, default=4, help="follow-up questions per tenant (its requests)")
+    g.add_argument("--question-len", type=int, default=16, help="tokens of each question, after the context")
+    g.add_argument("--kv-demand-ratio", type=float, default=2.0,
+                   help="with --start-server: size each engine's KV cache so that the contexts need this many "
+                        "times it (default 2)")
+    g.add_argument("--compare-routing", type=routing_compare.parse_policies, default=None, metavar="POLICIES",
+                   help="with --start-server: run the workload once per routing policy, one app each: all, or "
+                        f"a comma-separated list of {', '.join(routing_compare.POLICY_RUNS)} (default -dp 2)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,6 +121,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo", default=None, help="latency targets, e.g. ttft:500ms,tpot:50ms (goodput)")
     add_load_args(p)
     add_server_args(p)
+    add_shared_prefix_args(p)
     chaos.add_chaos_args(p)
     common.add_output_args(p, plot=True)
     p.set_defaults(bench_func=run)
@@ -108,6 +140,11 @@ def check_load_args(ns: argparse.Namespace) -> dict[str, float] | None:
         raise ValueError("--pd / --routing-overhead: need --start-server (they describe the server it starts)")
     if overhead < 0:
         raise ValueError(f"--routing-overhead: must be >= 0, got {overhead}")
+    if getattr(ns, "compare_routing", None) is not None:
+        if not ns.start_server:
+            raise ValueError("--compare-routing: needs --start-server (it starts one app per policy)")
+        if len(ns.request_rate) != 1 or pd or getattr(ns, "chaos_kill_every", None):
+            raise ValueError("--compare-routing: runs one --request-rate, without --pd or --chaos-kill-every")
     return parse_slo(ns.slo) if ns.slo else None
 
 
@@ -150,13 +187,46 @@ class LocalServer:
 def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "dtype": ns.dtype}
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_cpus_per_engine", "api_key",
-                 "data_parallel_size"):
+                 "data_parallel_size", "routing_policy", "kv_offload_size"):
         if getattr(ns, name, None) is not None:
             settings[name] = getattr(ns, name)
     if getattr(ns, "pd", False):
         settings.update(num_prefill_engines=ns.num_prefill_engines, num_decode_engines=ns.num_decode_engines,
                         kv_connector=ns.kv_connector)
+    shape = shared_prefix_shape(ns)
+    if shape is not None:
+        from pagedserve.engine.config import EngineConfig
+
+        block_size = ns.block_size or EngineConfig.model_fields["block_size"].default
+        settings["num_kv_blocks"] = shape.cache_blocks(block_size, ns.kv_demand_ratio, ns.max_concurrency or 1)
     return settings
+
+
+def shared_prefix_shape(ns: argparse.Namespace) -> SharedPrefixShape | None:
+    if getattr(ns, "workload", "random") != "shared-prefix":
+        return None
+    return SharedPrefixShape(ns.tenants, ns.context_len, ns.questions, ns.question_len, ns.output_len)
+
+
+def vocabulary_ids(model: str | None) -> list[int] | None:
+    """Every ordinary token id of MODEL when it is a local HF folder (its tokenizer and config), else None.
+    The shared-prefix workload draws its contexts from these rather than from a sample text's tokens, which a
+    word-level tokenizer (bench/random_model.py's) maps to a single unknown id: all contexts would be alike."""
+    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+
+        return vocab_token_ids(AutoTokenizer.from_pretrained(model), AutoConfig.from_pretrained(model).vocab_size)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def make_workload(ns: argparse.Namespace, token_ids: list[int], model: str | None = None) -> list[BenchRequest]:
+    shape = shared_prefix_shape(ns)
+    if shape is not None:
+        return shared_prefix(shape, ns.seed, vocabulary_ids(model) or token_ids)
+    return synthetic(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, token_ids)
 
 
 # --------------------------------------------------------------------------- one rate
@@ -213,6 +283,12 @@ def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse
 
 
 def check_fits(info: ServerInfo, ns: argparse.Namespace) -> None:
+    shape = shared_prefix_shape(ns)
+    if shape is not None:
+        if info.max_model_len and shape.request_len > info.max_model_len:
+            raise ValueError(f"--context-len + --question-len + --output-len: {shape.request_len} tokens exceed the "
+                             f"server's max_model_len {info.max_model_len}")
+        return
     if info.max_model_len and ns.input_len[1] + ns.output_len[1] > info.max_model_len:
         raise ValueError(f"--input-len + --output-len: up to {ns.input_len[1] + ns.output_len[1]} tokens exceed "
                          f"the server's max_model_len {info.max_model_len}")
@@ -248,6 +324,10 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
 def run(ns: argparse.Namespace) -> int:
     slo = check_load_args(ns)
     chaos.check_chaos_args(ns)
+    if ns.compare_routing is not None:
+        from pagedserve.bench.routing_bench import run_routing_comparison
+
+        return run_routing_comparison(ns)
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     figures = common.machine(ns)
     server = None
@@ -270,7 +350,7 @@ def run(ns: argparse.Namespace) -> int:
             from pagedserve.bench.roofline import model_facts
 
             facts = model_facts(model, ns.dtype)
-        workload = synthetic(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, info.token_ids)
+        workload = make_workload(ns, info.token_ids, model)
         runs = sweep(ns.base_url, info, workload, ns, slo, facts, figures, headers=headers)
         compared = None
         if ns.chaos_kill_every:
@@ -325,3 +405,4 @@ def run(ns: argparse.Namespace) -> int:
         parts.append(f"wrote {ns.plot}")
     common.finish(report, ns, "\n\n".join(parts))
     return 0 if all(r["failed"] == 0 for r in runs) else 1
+

@@ -1,5 +1,6 @@
-"""Workloads for the benchmarks: seeded synthetic requests (fixed lengths or a LOW:HIGH range) and
-dataset files (JSONL prompts, or a ShareGPT-format JSON file as vLLM reads it).
+"""Workloads for the benchmarks: seeded synthetic requests (fixed lengths or a LOW:HIGH range), a multi-tenant
+shared-prefix workload (`SharedPrefixShape`) and dataset files (JSONL prompts, or a ShareGPT-format JSON file
+as vLLM reads it).
 
 Every request carries token ids and an exact output length; the benchmarks run them with
 `ignore_eos` so each produces exactly that many tokens, in pagedserve and in any baseline alike.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +48,71 @@ def synthetic(num: int, input_len: tuple[int, int], output_len: tuple[int, int],
     rng = random.Random(seed)
     return [BenchRequest([rng.choice(token_ids) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
             for _ in range(num)]
+
+
+@dataclass(frozen=True)
+class SharedPrefixShape:
+    """Many tenants, each a long system context and short follow-up questions (`--workload shared-prefix`:
+    the llm-d prefix-cache benchmark's shape, scaled down). Every question of a tenant starts with its
+    context; a tenant's question j comes in round j, the tenants of one round in a seeded random order, so
+    each tenant's context is wanted again only after every other tenant's: once the contexts together need
+    more KV than a cache holds, an LRU cache that sees every tenant loses each context before its reuse."""
+
+    tenants: int
+    context_len: int
+    questions: int
+    question_len: int
+    output_len: tuple[int, int]  # each request's, uniform in LOW..HIGH
+
+    def __post_init__(self) -> None:
+        for name in ("tenants", "context_len", "questions", "question_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.output_len[0] <= self.output_len[1]:
+            raise ValueError(f"--output-len: expected 1 <= LOW <= HIGH, got {self.output_len}")
+
+    @property
+    def num_requests(self) -> int:
+        return self.tenants * self.questions
+
+    @property
+    def request_len(self) -> int:
+        """Tokens the longest request holds at its end (context, question, output)."""
+        return self.context_len + self.question_len + self.output_len[1]
+
+    def context_blocks(self, block_size: int) -> int:
+        """The KV demand: blocks the tenants' contexts need to stay cached (their full blocks, all tenants)."""
+        return self.tenants * (self.context_len // block_size)
+
+    def cache_blocks(self, block_size: int, demand_ratio: float, concurrency: int) -> int:
+        """One engine's KV cache size, in blocks, such that the KV demand is `demand_ratio` x it; ValueError
+        when that cache could not hold `concurrency` requests at once (raise the ratio's denominator: fewer
+        in flight, more tenants or longer contexts)."""
+        if not demand_ratio > 0:
+            raise ValueError(f"--kv-demand-ratio: must be > 0, got {demand_ratio}")
+        blocks = math.ceil(self.context_blocks(block_size) / demand_ratio)
+        needed = concurrency * -(-self.request_len // block_size)
+        if blocks < needed:
+            raise ValueError(f"--kv-demand-ratio: a cache of {blocks} blocks (the contexts' {self.context_blocks(block_size)} "
+                             f"/ {demand_ratio}) cannot hold {concurrency} requests of {self.request_len} tokens at once "
+                             f"({needed} blocks); lower --max-concurrency or the ratio, or add tenants")
+        return blocks
+
+
+def shared_prefix(shape: SharedPrefixShape, seed: int, token_ids: Sequence[int]) -> list[BenchRequest]:
+    """The requests of `shape` in arrival order (see SharedPrefixShape), tokens drawn from `token_ids`."""
+    if not token_ids:
+        raise ValueError("shared-prefix workload: no token ids to draw from")
+    rng = random.Random(seed)
+    contexts = [[rng.choice(token_ids) for _ in range(shape.context_len)] for _ in range(shape.tenants)]
+    requests = []
+    for _ in range(shape.questions):
+        order = list(range(shape.tenants))
+        rng.shuffle(order)
+        for tenant in order:
+            question = [rng.choice(token_ids) for _ in range(shape.question_len)]
+            requests.append(BenchRequest(contexts[tenant] + question, rng.randint(*shape.output_len)))
+    return requests
 
 
 def code_edit(num: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,

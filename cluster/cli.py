@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagedserve.cluster.settings import API_KEY_ENV, ServeArgs
+from pagedserve.cluster.settings import API_KEY_ENV, ROUTING_POLICIES, ServeArgs
 from pagedserve.engine.models.default_model import describe_model, download_command, packaged_default_model
 from pagedserve.engine.tool_parsers import TOOL_PARSERS
 
@@ -130,6 +130,10 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
     scale.add_argument("--max-migrations", type=int,
                        help="times one request may move to another engine replica when the one serving it fails, "
                             "before the client gets an error (default 3; 0: never)")
+    scale.add_argument("--routing-policy", choices=list(ROUTING_POLICIES),
+                       help="how a request picks its engine replica: exact (default: on what each replica's KV cache "
+                            "holds, from its KV events), prefix_approx (prefixes replicas reported serving), "
+                            "power_of_two (less loaded of two at random) or random")
     pd = serve_parser.add_argument_group("prefill/decode disaggregation (a prefill pool and a decode pool)")
     pd.add_argument("--num-prefill-engines", type=int, help="engines that compute prompts (with --num-decode-engines)")
     pd.add_argument("--num-decode-engines", type=int, help="engines that pull the prompt's KV and generate")

@@ -34,6 +34,10 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 # and the bound of the setting below (each prompt becomes n engine requests).
 MAX_PROMPTS = 4096
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
+# How the engine deployment's request router picks a replica (cluster/serve/routing_policy.py): uniformly at
+# random, the less loaded of two random replicas, approximate prefix affinity (the prefixes replicas reported
+# serving and where this router sent them), or exact: what each replica's KV cache holds, from its KV events.
+ROUTING_POLICIES = ("random", "power_of_two", "prefix_approx", "exact")
 
 
 def _api_key_from_env() -> str | None:
@@ -84,6 +88,7 @@ class ServeArgs(EngineConfig):
     imbalance_factor: float = Field(default=2.0, ge=1.0)
     imbalance_slack: float = Field(default=2.0, ge=0.0)
     kv_weight: float = Field(default=4.0, ge=0.0)
+    routing_policy: str = "exact"  # one of ROUTING_POLICIES
     # Prefill/decode disaggregation (`cluster/pd/`): both counts set -> a prefill pool and a decode pool.
     num_prefill_engines: int | None = Field(default=None, ge=1)
     num_decode_engines: int | None = Field(default=None, ge=1)
@@ -116,6 +121,11 @@ class ServeArgs(EngineConfig):
         if isinstance(data, dict) and data.get("api_key_file") is not None and data.get("api_key") is None:
             data = {**data, "api_key": read_api_key_file(str(data["api_key_file"]))}
         return data
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _check_routing_policy(cls, v: str) -> str:
+        return check_routing_policy(v)
 
     @model_validator(mode="after")
     def _check_replicas(self) -> "ServeArgs":
@@ -215,6 +225,13 @@ class ServeArgs(EngineConfig):
         if self.api_key_digest is not None:
             values["api_key_sha256"] = self.api_key_digest
         return values
+
+
+def check_routing_policy(name: str) -> str:
+    """`name` when it is one of ROUTING_POLICIES, else a ValueError naming routing_policy."""
+    if name not in ROUTING_POLICIES:
+        raise ValueError(f"routing_policy: unknown policy {name!r}; choose one of {', '.join(ROUTING_POLICIES)}")
+    return name
 
 
 def read_api_key_file(path: str) -> str:

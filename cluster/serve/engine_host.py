@@ -239,7 +239,7 @@ class EngineHost:
         if cache_salt is not None and isinstance(prompt, dict):
             prompt = {**prompt, "cache_salt": cache_salt}
         if ids is not None:
-            self._remember(ids, cache_salt)
+            self._remember(ids, cache_salt, lora_request.cache_key if lora_request is not None else ())
         prompt_tokens = len(ids) if ids is not None else 0
         self._in_flight_prompt_tokens += prompt_tokens
         aborted = asyncio.Event()
@@ -324,8 +324,9 @@ class EngineHost:
                 "num_seqs": float(scheduler.num_running + scheduler.num_waiting),
                 "kv_cache_usage": float(scheduler.kv_cache_usage)}
 
-    def _remember(self, prompt_token_ids: list[int], cache_salt: str | None) -> None:
-        for block_hash in prefix_hashes(prompt_token_ids, self.block_size, REPORTED_PREFIX_BLOCKS, cache_salt):
+    def _remember(self, prompt_token_ids: list[int], cache_salt: str | None, lora_key: tuple = ()) -> None:
+        for block_hash in prefix_hashes(prompt_token_ids, self.block_size, REPORTED_PREFIX_BLOCKS, cache_salt,
+                                        lora_key):
             key = short_hash(block_hash)
             self._prefixes[key] = None
             self._prefixes.move_to_end(key)

@@ -21,7 +21,13 @@ requests in a row out of the choice until its cooldown has passed and its routin
 healthy again; the engine client reports each request's outcome by Serve's internal request id
 (`record_outcome`), which `on_request_routed` maps to the replica.
 
-Exact routing (`exact_routing`, on by default): where the replicas publish their KV events with their
+The policy (`routing_policy`, ServeArgs.routing_policy; settings.ROUTING_POLICIES): "exact" (the default,
+below), "prefix_approx" (the approximate prefix affinity above, ignoring KV events), "power_of_two" (the
+less loaded of two random replicas) or "random"; the last two are blind to prefixes and adapters and exist
+as baselines (`pagedserve bench serve --compare-routing`). Health and the circuit breaker narrow the
+candidates under every policy.
+
+Exact routing (routing_policy "exact"): where the replicas publish their KV events with their
 routing stats (kv_feed.py), the router keeps its own index of what each replica's KV tiers hold
 (kv_index.ClusterKVIndex) and scores each candidate by the prompt tokens it holds, device first, then
 offload, against its load (routing_policy.choose_by_holdings); a replica whose view is stale is scored
@@ -56,7 +62,8 @@ from pagedserve.cluster.serve.router_registry import register
 from pagedserve.cluster.serve.routing_policy import (
     Holding, RoutingParams, RoutingPolicy, engine_load, prefer_holders, prefix_hashes, short_hash,
 )
-from pagedserve.engine.lora.request import SAMPLING_KEY
+from pagedserve.cluster.settings import check_routing_policy
+from pagedserve.engine.lora.request import SAMPLING_KEY, pop_lora_request
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +102,23 @@ def adapter_of(pending_request: PendingRequest | None) -> str | None:
     return lora.get("lora_name") if isinstance(lora, dict) else None
 
 
+def lora_key_of(pending_request: PendingRequest | None) -> tuple:
+    """The prefix-cache key of the LoRA adapter a `generate` call runs under (`LoRARequest.cache_key`, parsed
+    from its sampling params exactly as the engine host parses it), () for the base model. A malformed
+    adapter gives (): the engine host rejects that request before it reaches a cache."""
+    if pending_request is None or pending_request.metadata.call_method != "generate":
+        return ()
+    args, kwargs = pending_request.args, pending_request.kwargs
+    params = args[2] if len(args) > 2 else kwargs.get("sampling_params")
+    if not isinstance(params, dict):
+        return ()
+    try:
+        _, lora = pop_lora_request(params)
+    except (TypeError, ValueError):
+        return ()
+    return lora.cache_key if lora is not None else ()
+
+
 def request_of(pending_request: PendingRequest | None) -> tuple[str | None, str | None]:
     """(request_id, cache_salt) of an engine `generate(request_id, prompt_token_ids, ..., cache_salt=)`."""
     if pending_request is None or pending_request.metadata.call_method != "generate":
@@ -130,7 +154,7 @@ class PrefixAffinityRouter(RequestRouter):
         imbalance_slack: float = 2.0,
         failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
         breaker_cooldown_s: float = DEFAULT_COOLDOWN_S,
-        exact_routing: bool = True,
+        routing_policy: str = "exact",
         offload_weight: float = 0.5,
         silent_after_s: float = 10.0,
         recent_routes_s: float = 5.0,
@@ -138,7 +162,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.policy: RoutingPolicy[ReplicaID] = RoutingPolicy(
             RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack,
                           offload_weight), seed=seed)
-        self.exact_routing = exact_routing
+        self.routing_policy = check_routing_policy(routing_policy)
         self.index = ClusterKVIndex(silent_after_s)
         self.recent = RecentRoutes(recent_routes_s)
         self.predictions: OrderedDict[str, int] = OrderedDict()  # request id -> predicted cached tokens
@@ -153,6 +177,11 @@ class PrefixAffinityRouter(RequestRouter):
         self.route_log = RouteLog()  # each request's decision, for its trace (the ingress takes it)
 
     # ------------------------------------------------------------------ the choice
+
+    @property
+    def exact_routing(self) -> bool:
+        """Whether this router keeps a KV index and routes on it (the "exact" policy)."""
+        return self.routing_policy == "exact"
 
     def replica_load(self, replica: RunningReplica) -> float:
         cached = self._replica_queue_len_cache.get(replica.replica_id) or 0
@@ -169,19 +198,28 @@ class PrefixAffinityRouter(RequestRouter):
 
     def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
                cache_salt: str | None = None, request_id: str | None = None,
-               adapter: str | None = None) -> RunningReplica:
+               adapter: str | None = None, lora_key: tuple = ()) -> RunningReplica:
         """The policy's choice among `replicas` for this prompt (None: load only), among the replicas that hold
-        its LoRA `adapter` first (`prefer_holders`); remembers the prefix."""
-        return self._choose(replicas, prompt, cache_salt, request_id, adapter)[0]
+        its LoRA `adapter` (by name) first (`prefer_holders`); remembers the prefix. The prompt's hashes carry
+        `cache_salt` and the adapter's `lora_key` (`LoRARequest.cache_key`) as the engine's do."""
+        return self._choose(replicas, prompt, cache_salt, request_id, adapter, lora_key)[0]
 
     def _choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
                 cache_salt: str | None = None, request_id: str | None = None,
-                adapter: str | None = None) -> tuple[RunningReplica, str]:
+                adapter: str | None = None, lora_key: tuple = ()) -> tuple[RunningReplica, str]:
         by_id = {r.replica_id: r for r in replicas}
         for r in replicas:
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
         healthy = [r for r in healthy if not self.breaker.is_open(r.replica_id)] or healthy
+        if self.routing_policy in ("random", "power_of_two"):
+            ids = [r.replica_id for r in healthy]
+            if self.routing_policy == "random":
+                choice, decision = self.policy.choose_random(ids)
+            else:
+                choice, decision = self.policy.choose_least_loaded_of_two(ids, lambda rid: self.replica_load(by_id[rid]))
+            self._count_in_ray(decision)
+            return by_id[choice], decision
         if adapter is not None:
             healthy = prefer_holders(healthy, self.replica_load,
                                      lambda r: adapter in ((r.routing_stats or {}).get("lora_adapters") or ()),
@@ -190,9 +228,9 @@ class PrefixAffinityRouter(RequestRouter):
                            if (r.routing_stats or {}).get("block_size")), None)
         if (self.exact_routing and prompt and block_size
                 and any("kv_events" in (r.routing_stats or {}) for r in healthy)):
-            choice, decision = self._choose_exact(healthy, prompt, block_size, cache_salt, request_id)
+            choice, decision = self._choose_exact(healthy, prompt, block_size, cache_salt, request_id, lora_key)
             return by_id[choice], decision
-        hashes = prefix_hashes(prompt, block_size, self.policy.params.affinity_blocks, cache_salt) \
+        hashes = prefix_hashes(prompt, block_size, self.policy.params.affinity_blocks, cache_salt, lora_key) \
             if prompt and block_size else []
 
         def holder(block_hash: bytes) -> ReplicaID | None:
@@ -216,12 +254,13 @@ class PrefixAffinityRouter(RequestRouter):
                 self._ray_counter = None
 
     def _choose_exact(self, healthy: Sequence[RunningReplica], prompt: Sequence[int], block_size: int,
-                      cache_salt: str | None, request_id: str | None) -> tuple[ReplicaID, str]:
+                      cache_salt: str | None, request_id: str | None,
+                      lora_key: tuple = ()) -> tuple[ReplicaID, str]:
         now = time.monotonic()
         for replica in healthy:
             self.index.update(replica.replica_id, (replica.routing_stats or {}).get("kv_events"), now)
         # Only blocks the engine can hit: its hit stops short of the prompt's last token.
-        hashes = prefix_hashes(prompt, block_size, (len(prompt) - 1) // block_size, cache_salt)
+        hashes = prefix_hashes(prompt, block_size, (len(prompt) - 1) // block_size, cache_salt, lora_key)
         keys = [key_of(h) for h in hashes]
         approx = hashes[:self.policy.params.affinity_blocks]
         by_id = {r.replica_id: r for r in healthy}
@@ -238,7 +277,8 @@ class PrefixAffinityRouter(RequestRouter):
             return Holding(n * block_size, 0, stale=True)
 
         choice, decision, held = self.policy.choose_by_holdings(
-            list(by_id), lambda rid: self.replica_load(by_id[rid]), holding)
+            list(by_id), lambda rid: self.replica_load(by_id[rid]), holding,
+            last_sent=self.policy.sent_to(list(by_id), approx))
         self._count_in_ray(decision)
         self.recent.remember(keys, choice, now)
         self.policy.remember(approx, choice)
@@ -249,7 +289,10 @@ class PrefixAffinityRouter(RequestRouter):
         return choice, decision
 
     def _sync_index(self, replicas: Sequence[RunningReplica]) -> None:
-        """Apply the KV reports in the replicas' latest routing stats to this router's index."""
+        """Apply the KV reports in the replicas' latest routing stats to this router's index (kept under the
+        exact policy only)."""
+        if not self.exact_routing:
+            return
         now = time.monotonic()
         for replica in replicas:
             report = (replica.routing_stats or {}).get("kv_events")
@@ -273,12 +316,13 @@ class PrefixAffinityRouter(RequestRouter):
             return [named or [min(candidate_replicas, key=self.replica_load)]]
         request_id, cache_salt = request_of(pending_request)
         adapter = adapter_of(pending_request)
+        lora_key = lora_key_of(pending_request)
         prompt = prompt_of(pending_request)
         if request_id is None:
-            choice = self.choose(candidate_replicas, prompt, cache_salt, adapter=adapter)
+            choice = self.choose(candidate_replicas, prompt, cache_salt, adapter=adapter, lora_key=lora_key)
         else:
             choice, record = timed_choice(
-                lambda: self._choose(candidate_replicas, prompt, cache_salt, request_id, adapter),
+                lambda: self._choose(candidate_replicas, prompt, cache_salt, request_id, adapter, lora_key),
                 candidate_replicas, self.replica_load, self._deployment_id.name,
                 name=lambda replica: replica.replica_id.unique_id)
             self.route_log.record(request_id, record)
@@ -328,8 +372,7 @@ class PrefixAffinityRouter(RequestRouter):
         for gone in [rid for rid in self.index.views if rid not in live]:
             self.index.forget(gone)
             self.recent.forget(gone)
-        if self.exact_routing:  # every broadcast of the stats: fewer reports missed, fewer resyncs
-            self._sync_index(replicas)
+        self._sync_index(replicas)  # every broadcast of the stats: fewer reports missed, fewer resyncs
         for table in (self.in_flight, self.num_routed):
             for gone in [rid for rid in table if rid not in live]:
                 table.pop(gone, None)

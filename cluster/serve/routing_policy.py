@@ -17,6 +17,9 @@ prefix plus `offload_weight` times the tokens that continue it in an offload tie
 than a prefill, dearer than a hit); the highest score wins among the candidates whose load is within the
 imbalance bound of the two-choice winner, ties to the less loaded. A candidate whose view is stale is
 scored by the approximate signals (what it reported serving, where this router sent prefixes).
+
+The cache-blind baselines a benchmark compares against (`ServeArgs.routing_policy`): `choose_random`
+(uniformly at random) and `choose_least_loaded_of_two` (power of two choices by load, no prefix at all).
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ SINGLE = "single"  # one candidate only
 AFFINE = "prefix_affine"  # the holder of the longest known prefix, within the imbalance bound
 FALLBACK = "prefix_fallback"  # a prefix holder existed but was too loaded: the two-choice winner instead
 BALANCED = "balanced"  # no known prefix: the less loaded of two random candidates
+RANDOM = "random"  # the random policy: uniformly at random
 # Exact routing's kinds.
 EXACT_HIT = "exact_hit"  # the choice holds a prefix of the prompt on its device
 OFFLOAD_HIT = "offload_hit"  # ... part of it only in an offload tier
 MISS = "miss"  # no candidate within the bound holds any of it: the two-choice winner
 STALE_FALLBACK = "stale_fallback"  # the choice's view was stale: scored approximately
-DECISIONS = (SINGLE, AFFINE, FALLBACK, BALANCED, EXACT_HIT, OFFLOAD_HIT, MISS, STALE_FALLBACK)
+DECISIONS = (SINGLE, AFFINE, FALLBACK, BALANCED, RANDOM, EXACT_HIT, OFFLOAD_HIT, MISS, STALE_FALLBACK)
 
 
 @dataclass(frozen=True)
@@ -66,10 +70,12 @@ def engine_load(in_flight: float, stats: Mapping | None, kv_weight: float) -> fl
 
 
 def prefix_hashes(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int | None,
-                  cache_salt: str | None = None) -> list[BlockHash]:
+                  cache_salt: str | None = None, lora_key: tuple = ()) -> list[BlockHash]:
     """Chained hashes of the prompt's first `max_blocks` full blocks (the j-th covers blocks 0..j), as
-    the engine's prefix cache computes them (salted by `cache_salt`)."""
-    return prompt_block_hashes(prompt_token_ids, block_size, cache_salt, max_blocks)
+    the engine's prefix cache computes them: salted by `cache_salt` and keyed by the LoRA adapter the
+    request runs under (`lora_key`: `LoRARequest.cache_key`, () for the base model), through the one
+    chain both share (`block_pool.first_block_extra_keys`)."""
+    return prompt_block_hashes(prompt_token_ids, block_size, cache_salt, max_blocks, lora_key)
 
 
 def prefer_holders(candidates: Sequence[K], load: Callable[[K], float], holds: Callable[[K], bool],
@@ -153,9 +159,31 @@ class RoutingPolicy(Generic[K]):
             return self._count(affine, AFFINE)
         return self._count(choice, FALLBACK)
 
+    def choose_random(self, candidates: Sequence[K]) -> tuple[K, str]:
+        """(choice, decision): one candidate uniformly at random (the cache-blind, load-blind baseline)."""
+        if not candidates:
+            raise ValueError("candidates: need at least one")
+        if len(candidates) == 1:
+            return self._count(candidates[0], SINGLE)
+        return self._count(self._rng.choice(list(candidates)), RANDOM)
+
+    def choose_least_loaded_of_two(self, candidates: Sequence[K], load: Callable[[K], float]) -> tuple[K, str]:
+        """(choice, decision): the less loaded of two candidates drawn at random (power of two choices, blind
+        to what any cache holds)."""
+        if not candidates:
+            raise ValueError("candidates: need at least one")
+        if len(candidates) == 1:
+            return self._count(candidates[0], SINGLE)
+        first, second = self._rng.sample(list(candidates), 2)
+        return self._count(first if load(first) <= load(second) else second, BALANCED)
+
     def choose_by_holdings(self, candidates: Sequence[K], load: Callable[[K], float],
-                           holding: Callable[[K], Holding]) -> tuple[K, str, Holding]:
-        """(choice, decision, what the choice holds): exact routing (see the module docstring)."""
+                           holding: Callable[[K], Holding], last_sent: K | None = None) -> tuple[K, str, Holding]:
+        """(choice, decision, what the choice holds): exact routing (see the module docstring). On a miss (no
+        candidate within the bound holds any of the prompt) the choice is `last_sent`, where this prefix went
+        last, when it is a candidate within the bound: a tenant whose prefix was evicted everywhere stays
+        where its next request will find what this one stores, instead of moving its working set to whichever
+        replica the two-choice draw favours (which fills that replica's cache with another's tenants)."""
         if not candidates:
             raise ValueError("candidates: need at least one")
         if len(candidates) == 1:
@@ -175,6 +203,9 @@ class RoutingPolicy(Generic[K]):
             rank = (score, -load(key))
             if best_key is None or rank > best_key:
                 best, best_key, best_holding = key, rank, held
+        if best_key is None and last_sent is not None and last_sent != winner and last_sent in candidates \
+                and load(last_sent) <= bound:
+            best, best_holding = last_sent, holding(last_sent)
         if best_holding.stale:
             decision = STALE_FALLBACK
         elif best_key is None:
@@ -198,6 +229,10 @@ class RoutingPolicy(Generic[K]):
         """Drop what was remembered about a candidate that went away."""
         for block_hash in [h for h, k in self._affinity.items() if k == key]:
             del self._affinity[block_hash]
+
+    def sent_to(self, candidates: Sequence[K], hashes: Sequence[BlockHash]) -> K | None:
+        """The candidate this policy last sent the longest remembered prefix of `hashes` to, else None."""
+        return self._affine(candidates, hashes, None)
 
     def _affine(self, candidates: Sequence[K], hashes: Sequence[BlockHash],
                 holder: Callable[[BlockHash], K | None] | None) -> K | None:
