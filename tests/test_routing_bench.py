@@ -92,10 +92,11 @@ def test_policy_arms_and_their_settings():
 def _metrics(queries: float, hits: float, tier: float, decisions: dict[str, float],
              checked: int = 0, matched: int = 0) -> str:
     """The /metrics text of the server (its own renderer) with these counters."""
+    from pagedserve.cluster.fleet_stats import FleetStats
     from pagedserve.cluster.serving.metrics import ServingMetrics
 
-    stats = {"prefix_cache_queries": queries, "prefix_cache_hits": hits, "kv_offload_hit_tokens": tier,
-             "routing_decisions": decisions, "kv_routing": {"checked": checked, "matched": matched}}
+    stats = FleetStats(prefix_cache_queries=queries, prefix_cache_hits=hits, kv_offload_hit_tokens=tier,
+                       routing_decisions=decisions, kv_routing={"checked": checked, "matched": matched})
     return ServingMetrics("m", lambda: stats, max_model_len=64).render()[0].decode()
 
 
