@@ -99,15 +99,17 @@ def on_engine(actor: Any, fn: Callable[..., Any], *args: Any, timeout_s: float =
     return ray.get(actor.__ray_call__.remote(_call_on_host, fn, *args), timeout=timeout_s)
 
 
-def deploy_config(args: ServeArgs, deployments: list[dict] | None = None) -> None:
+def deploy_config(args: ServeArgs, deployments: list[dict] | None = None, **config: Any) -> None:
     """Deploy `args`'s app from a Serve config, as `serve deploy` does (the controller's `apply_config`):
     the app builder, its args and per-deployment overrides. Deployed again with only `deployments`
     changed (say the engine's `num_replicas`), Serve updates that deployment in place (a scale-down
-    drains the removed replicas) and leaves the others running."""
+    drains the removed replicas) and leaves the others running. `config`: more top-level keys of the
+    config (`proxy_location`)."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
     config = {
+        **config,
         "http_options": {"host": args.host, "port": args.port},
         "applications": [{"name": args.app_name, "route_prefix": "/",
                           "import_path": "pagedserve.cluster.serve.app:build_app", "args": args.to_dict(),
