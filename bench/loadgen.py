@@ -38,6 +38,7 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    token_times: list[float] = field(default_factory=list)  # time.perf_counter() of each streamed token event
 
     @property
     def tpot(self) -> float | None:
@@ -98,6 +99,7 @@ async def one_request(client: httpx.AsyncClient, model: str, request: BenchReque
                     return result
                 now = time.perf_counter()
                 if event.get("choices"):
+                    result.token_times.append(now)
                     if last is None:
                         result.ttft = now - start
                     else:

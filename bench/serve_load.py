@@ -25,8 +25,8 @@ power_of_two, prefix_approx, exact, exact+offload: bench/routing_compare.py) and
 output throughput and the prefix hit rate of each.
 
 `--chaos-kill-every S` runs every rate a second time while an engine replica is killed every S
-seconds (bench/chaos.py) and reports both side by side: goodput, p99 TTFT/TPOT, and the longest
-stall a stream saw (the cost of a migration).
+seconds (bench/chaos.py) and reports both side by side: goodput, p99 TTFT/TPOT, the longest stall a
+stream saw, and each kill's migration cost (from the kill to the first token after the seam).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,8 +266,9 @@ def run_entry(load: LoadRun, name: str, params: dict[str, Any], slo: dict[str, f
 
 def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse.Namespace,
           slo: dict[str, float] | None, facts: ModelFacts | None, machine: Machine | None,
-          params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Run the workload at every --request-rate; one report run each."""
+          params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+          observe: Callable[[LoadRun, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Run the workload at every --request-rate; one report run each (`observe(load, run)` may add to it)."""
     runs = []
     for rate in ns.request_rate:
         point = {**(params or {}), "request_rate": rate_label(rate), "max_concurrency": ns.max_concurrency}
@@ -278,6 +280,8 @@ def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse
         split = overhead_delta(before, scrape(url, headers or {}, ns.timeout))
         if split is not None:  # the server's own split of where the time went (bench/overhead_split.py)
             entry["overhead"] = split
+        if observe is not None:
+            observe(load, entry)
         runs.append(entry)
     return runs
 
@@ -357,8 +361,8 @@ def run(ns: argparse.Namespace) -> int:
             every = ns.chaos_kill_every
             with chaos.ReplicaKiller(server.app_name if server else ns.app_name, every, ns.seed) as killer:
                 chaos_runs = sweep(ns.base_url, info, workload, ns, slo, facts, figures,
-                                   params={"chaos_kill_every_s": every}, headers=headers)
-            compared = [chaos.comparison(calm, hit, len(killer.kills)) for calm, hit in zip(runs, chaos_runs)]
+                                   params={"chaos_kill_every_s": every}, headers=headers, observe=killer.observe)
+            compared = [chaos.comparison(calm, hit) for calm, hit in zip(runs, chaos_runs)]
             runs += chaos_runs
         if ns.routing_overhead and server is not None:
             from pagedserve.bench.routing_overhead import routing_overhead
@@ -390,9 +394,11 @@ def run(ns: argparse.Namespace) -> int:
                      "req/s")
     if compared is not None:
         parts.append(f"chaos (an engine replica killed every {ns.chaos_kill_every:g} s; "
-                     f"{compared[-1]['kills']} kills in all): without -> with kills\n" + "\n".join(
-                         f"  {key}: {c['without_kills'][key]} -> {c['with_kills'][key]}"
-                         for c in compared for key in c["without_kills"]))
+                     f"{sum(c['kills'] for c in compared)} kills): without -> with kills\n"
+                     + "\n".join(f"  {key}: {c['without_kills'][key]} -> {c['with_kills'][key]}"
+                                  for c in compared for key in c["without_kills"])
+                     + "".join(f"\n  migration cost (kill -> first token after the seam, ms): {c['migration_cost_ms']}"
+                               for c in compared))
     if facts is None and figures is not None:
         parts.append("(roofline: give MODEL, the served model's path, to see it)")
     parts += [rep.machine_line(report["machine"]), rep.roofline_table(runs)]

@@ -8,9 +8,9 @@ builder, against the head's dashboard.
 - `tp`: one TP=2 engine whose placement group (the replica's bundle and one per rank) is STRICT_SPREAD
   over the three nodes: its two ranks sit on different nodes and meet over gloo across them; its greedy
   tokens equal the TP=1 engines' (and HF's).
-- slow: worker node `b` is killed under load: the requests its engines held fail with a clean OpenAI error
-  (a 5xx body, or an error event in the stream) while the others complete; a node added back brings both
-  apps to full strength again.
+- slow: worker node `b` is killed under load: the requests its dp engine held migrate to the engine on
+  `a` and complete with every other (none fails); a node added back brings both apps to full strength
+  again.
 """
 
 from __future__ import annotations
@@ -175,15 +175,8 @@ def wait_both_engines_busy(http: httpx.Client, deadline_s: float = 60.0) -> None
         time.sleep(0.2)
 
 
-def check_clean_failure(outcome: dict) -> None:
-    error = outcome["error"]
-    assert isinstance(error, dict) and error.get("message") and error.get("type"), outcome
-    if outcome["status"] != 200:
-        assert 500 <= outcome["status"] < 600, outcome
-
-
 @pytest.mark.slow
-def test_worker_node_killed_under_load_fails_only_its_requests_and_recovers(cluster, http):
+def test_worker_node_killed_under_load_fails_no_request_and_recovers(cluster, http):
     import threading
 
 
@@ -202,12 +195,10 @@ def test_worker_node_killed_under_load_fails_only_its_requests_and_recovers(clus
         outcomes = [f.result(timeout=2 * TIMEOUT) for f in futures]
     done = [o for o in outcomes if o["error"] is None]
     failed = [o for o in outcomes if o["error"] is not None]
-    assert failed, f"no request was on the killed node's engine: {outcomes}"
-    assert done, f"every request failed, not only the killed node's: {outcomes}"
+    # The killed node's requests migrated to the engine on `a` (cluster/serve/migration.py).
+    assert not failed, f"requests failed although the engine on node a could finish them: {failed}"
     for outcome in done:
         assert outcome["finish_reason"] == "length", outcome
-    for outcome in failed:
-        check_clean_failure(outcome)
     # While node b is gone the surviving engine (on a) keeps serving dp.
     assert completion_text(http, "dp", PROMPTS[0])
     # Capacity returns: a new node with b's resources; Serve places the replacement replicas there.

@@ -8,7 +8,6 @@ every test every KV block on every engine replica is free (read from the replica
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -73,25 +72,13 @@ def hf_text(hf, prompt: list[int], max_new: int) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from pagedserve.cluster.executor.ray_utils import free_port
-    from pagedserve.cluster.serve.app import server_url, start_server
+    from pagedserve.cluster.serve.app import server_url
+    from tests.serve_apps import serve_app
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    args = ServeArgs(model=str(model), dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, port=free_port(),
-                     served_model_name=MODEL, api_key=None, max_num_seqs=16, data_parallel_size=2,
-                     num_ingress_replicas=2, num_cpus_per_engine=0.5, routing_stats_period_s=0.2, app_name=APP,
-                     graceful_shutdown_timeout_s=20)
-    try:
-        start_server(args)
+    with serve_app(model, app_name=APP, block_size=BLOCK, data_parallel_size=2, num_ingress_replicas=2,
+                   graceful_shutdown_timeout_s=20) as args:
         yield server_url(args)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,12 @@ for load are neither. `failure_threshold` failures in a row open the replica's c
 stops choosing it (unless every replica is open: then it routes as if none were). The circuit closes
 when a routing-stats report that arrived after `cooldown_s` says the engine is healthy; it closes on
 probation: one more failure opens it again at once.
+
+A refusal for load (the engine's queue is full: `EngineOverloadedError`) is no failure, but the replica
+that refused is passed over for `refusal_holdoff_s` (`refused`), so that the retry of the refused request,
+and the requests routed meanwhile, go to another replica: without it a replica that looks idle to the
+router (its queue filled by callers the router does not see, or stats older than the burst) or that
+holds the request's prefix would be chosen again and refuse again.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ K = TypeVar("K", bound=Hashable)
 
 DEFAULT_FAILURE_THRESHOLD = 3
 DEFAULT_COOLDOWN_S = 5.0
+DEFAULT_REFUSAL_HOLDOFF_S = 1.0
 
 
 @dataclass
@@ -33,16 +40,20 @@ class CircuitBreaker(Generic[K]):
     failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
     cooldown_s: float = DEFAULT_COOLDOWN_S
     clock: Callable[[], float] = time.monotonic
+    refusal_holdoff_s: float = DEFAULT_REFUSAL_HOLDOFF_S
     num_opens: int = 0  # circuits opened, ever (counted on /metrics)
     _failures: dict[K, int] = field(default_factory=dict)  # failures in a row
     _open: dict[K, _Open] = field(default_factory=dict)
     _stats_token: dict[K, object] = field(default_factory=dict)  # latest report seen, per replica
+    _refused_until: dict[K, float] = field(default_factory=dict)  # replica -> end of its refusal hold-off
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1:
             raise ValueError(f"failure_threshold: expected >= 1, got {self.failure_threshold}")
         if self.cooldown_s < 0:
             raise ValueError(f"cooldown_s: expected >= 0, got {self.cooldown_s}")
+        if self.refusal_holdoff_s < 0:
+            raise ValueError(f"refusal_holdoff_s: expected >= 0, got {self.refusal_holdoff_s}")
 
     def record(self, key: K, ok: bool) -> None:
         """One request's outcome on `key`'s engine."""
@@ -68,8 +79,26 @@ class CircuitBreaker(Generic[K]):
             del self._open[key]
             self._failures[key] = self.failure_threshold - 1  # probation
 
+    def refused(self, key: K) -> None:
+        """`key`'s engine refused a request for load: pass it over for `refusal_holdoff_s`."""
+        self._refused_until[key] = self.clock() + self.refusal_holdoff_s
+
     def is_open(self, key: K) -> bool:
         return key in self._open
+
+    def is_refusing(self, key: K) -> bool:
+        """Within the hold-off after `key`'s engine refused a request for load."""
+        until = self._refused_until.get(key)
+        if until is None:
+            return False
+        if self.clock() >= until:
+            del self._refused_until[key]
+            return False
+        return True
+
+    def is_routable(self, key: K) -> bool:
+        """Neither open nor refusing: the router may choose it (when some replica is)."""
+        return not self.is_open(key) and not self.is_refusing(key)
 
     def num_open(self) -> int:
         return len(self._open)
@@ -79,3 +108,4 @@ class CircuitBreaker(Generic[K]):
         self._failures.pop(key, None)
         self._open.pop(key, None)
         self._stats_token.pop(key, None)
+        self._refused_until.pop(key, None)

@@ -23,7 +23,7 @@ from pagedserve.cluster.fleet_stats import EngineEntry, FleetAccumulator, FleetS
 from pagedserve.cluster.serve.router_registry import routers_for
 from pagedserve.cluster.serve.routing_policy import DECISIONS
 from pagedserve.cluster.serve.stream_transport import PromptRestorer
-from pagedserve.engine.async_llm import EngineDeadError
+from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class ServeEngineClient:
         restore = PromptRestorer()
         finished = False
         ok: bool | None = None  # the outcome, as the circuit breaker counts it (None: not the engine's doing)
+        refused = False  # the engine refused it for load: the router passes that replica over for a moment
         try:
             async for output in response:
                 output = restore(output)
@@ -105,6 +106,7 @@ class ServeEngineClient:
         except RayTaskError as exc:
             cause = _unwrap(exc)
             ok = False if isinstance(cause, EngineDeadError) or cause is exc else None
+            refused = isinstance(cause, EngineOverloadedError)
             if cause is exc:
                 raise
             raise cause from None
@@ -117,6 +119,11 @@ class ServeEngineClient:
                     record = getattr(router, "record_outcome", None)
                     if record is not None:
                         record(internal_id, ok)
+            if refused:
+                for router in self._routers():
+                    record_refusal = getattr(router, "record_refusal", None)
+                    if record_refusal is not None:
+                        record_refusal(internal_id)
 
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by cancelling their stream (closing `generate`); nothing else to do."""

@@ -19,7 +19,8 @@ in the common, failure-free case) at the price of redoing the lost work when an 
 Each request migrates at most `max_migrations` times, then fails with a clean `EngineDeadError`
 (503 `engine_dead`). A request an engine refuses for load (`EngineOverloadedError`: its queue is full)
 is submitted again up to `max_overload_retries` times after a short backoff, before or after it
-started (the router, which weighs each engine's load, then picks another engine where one has room);
+started (the router passes the refusing replica over for a moment, `CircuitBreaker.refused`, and
+weighs the others' load);
 only then does the refusal reach the client (503 `overloaded`). Under Serve a replica at its
 `max_ongoing_requests` already hands the request to the router's next choice itself; these retries
 cover the engine's own queue limit and every other shape. Migrations and retries are logged with the

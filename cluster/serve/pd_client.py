@@ -31,7 +31,12 @@ monolithic engine's.
   loaded; the router's own release waits for the end of the request (not its first output).
 - Faults: a prefill engine that is dead or refuses the request (overloaded) -> the request is
   computed on a decode engine without remote KV (counted as a fallback). A decode engine that dies
-  -> its requests fail with `EngineDeadError`, as on a monolithic fleet.
+  before its first output (the producer's hold is still there: nothing released it) -> the decode leg
+  goes to another decode engine with the same hold (`DECODE_RETRIES` times, counted as
+  `decode_retries`): that engine loads the prompt's KV while the hold is readable, else (it expired, or
+  the dead engine had loaded and released it) computes the prompt itself. A decode engine that dies
+  later -> `EngineDeadError`: the serving layer's `MigratingClient` continues the request on another
+  decode engine from the tokens delivered (recomputed there: the hold was released at the first output).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ from pagedserve.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
+# A decode engine that died before its first output: the decode leg is tried this many more times.
+DECODE_RETRIES = 1
 
 
 @dataclass
@@ -64,6 +71,7 @@ class PDCounters:
     decode_only: int = 0  # requests sent straight to a decode engine (prompt logprobs)
     prefill_fallbacks: int = 0  # prefill engine dead or overloaded: computed on a decode engine
     continuations: int = 0  # n == 1 requests whose first token was the prefill's (decode continued from it)
+    decode_retries: int = 0  # decode engine died before its first output: another one took the same hold
 
 
 def prefill_params(user: dict[str, Any]) -> dict[str, Any]:
@@ -214,17 +222,28 @@ class PDClient:
         try:
             if first is not None:
                 yield first
-            async with contextlib.aclosing(self._decode(request_id, prompt_token_ids, decode_params, priority,
-                                                        final_only and first is None, cache_salt)) as stream:
-                async for output in stream:
-                    if early and not released:
-                        released = True
-                        self._release(remote)
-                    if first_logprob is not None:  # the decode engine's sums start after the prefill's token
-                        for completion in output.outputs:
-                            if completion.cumulative_logprob is not None:
-                                completion.cumulative_logprob += first_logprob
-                    yield output
+            decoded = False
+            for attempt in range(DECODE_RETRIES + 1):
+                try:
+                    async with contextlib.aclosing(self._decode(request_id, prompt_token_ids, decode_params, priority,
+                                                                final_only and first is None, cache_salt)) as stream:
+                        async for output in stream:
+                            decoded = True
+                            if early and not released:
+                                released = True
+                                self._release(remote)
+                            if first_logprob is not None:  # the decode engine's sums start after the prefill's token
+                                for completion in output.outputs:
+                                    if completion.cumulative_logprob is not None:
+                                        completion.cumulative_logprob += first_logprob
+                            yield output
+                    break
+                except EngineDeadError as exc:
+                    if decoded or attempt == DECODE_RETRIES:
+                        raise
+                    self.counters.decode_retries += 1
+                    logger.warning("request %s: the decode engine failed before its first output (%s); another "
+                                   "decode engine takes the prefill's hold", request_id, exc)
         finally:
             if not released:
                 self._release(remote)

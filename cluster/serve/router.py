@@ -211,7 +211,7 @@ class PrefixAffinityRouter(RequestRouter):
         for r in replicas:
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
-        healthy = [r for r in healthy if not self.breaker.is_open(r.replica_id)] or healthy
+        healthy = [r for r in healthy if self.breaker.is_routable(r.replica_id)] or healthy
         if self.routing_policy in ("random", "power_of_two"):
             ids = [r.replica_id for r in healthy]
             if self.routing_policy == "random":
@@ -349,6 +349,12 @@ class PrefixAffinityRouter(RequestRouter):
             if self.breaker.is_open(replica_id) and not was_open:
                 logger.warning("engine replica %s failed %d requests in a row: out of routing until it recovers",
                                replica_id.unique_id, self.breaker.failure_threshold)
+
+    def record_refusal(self, internal_request_id: str) -> None:
+        """The engine refused a request this router routed for load: pass its replica over for a moment."""
+        replica_id = self._routed_to.pop(internal_request_id, None)
+        if replica_id is not None:
+            self.breaker.refused(replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self.in_flight.get(replica_id, 0) > 0:
