@@ -115,7 +115,7 @@ def deploy_config(args: ServeArgs, deployments: list[dict] | None = None, **conf
                           "import_path": "pagedserve.cluster.serve.app:build_app", "args": args.to_dict(),
                           "deployments": deployments or []}],
     }
-    _get_global_client().deploy_apps(ServeDeploySchema.parse_obj(config))
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
 
 
 def wait_app_running(app: str, timeout_s: float = 300.0) -> None:
