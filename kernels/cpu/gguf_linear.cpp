@@ -319,6 +319,17 @@ inline void store_out(c10::Half* dst, vec16 v) {
   std::memcpy(dst, &h, sizeof(h));
 }
 
+template <typename T>
+void widen(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Round each float to T (round to nearest even, as Tensor.to does).
+template <typename T>
+void narrow_to(const float* src, int64_t n, T* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
 // Rows [n0, n1) of W dequantized into dst [n1 - n0, K] of type T.
 template <int64_t QT, typename T>
 void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, T* dst) {
@@ -379,10 +390,25 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, int64_t N) {
     }
     return out;
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  gemv<QT>(xf.data_ptr<float>(), M, K, w, row_bytes, N, out.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    gemv<QT>(x.data_ptr<float>(), M, K, w, row_bytes, N, out.data_ptr<float>());
+    return out;
+  }
+  // bf16 / fp16 activations: widened here and the result narrowed here, with no tensor ops around the
+  // kernel (at batch 1 each would cost more than the conversion itself).
+  std::vector<float> xf(M * K), yf(M * N);
+  switch (x.scalar_type()) {
+    case at::kBFloat16: widen(x.data_ptr<c10::BFloat16>(), M * K, xf.data()); break;
+    case at::kHalf: widen(x.data_ptr<c10::Half>(), M * K, xf.data()); break;
+    default: TORCH_CHECK(false, "gguf_linear (CPU op): unsupported dtype ", x.scalar_type());
+  }
+  gemv<QT>(xf.data(), M, K, w, row_bytes, N, yf.data());
+  switch (x.scalar_type()) {
+    case at::kBFloat16: narrow_to(yf.data(), M * N, out.data_ptr<c10::BFloat16>()); break;
+    default: narrow_to(yf.data(), M * N, out.data_ptr<c10::Half>()); break;
+  }
+  return out;
 }
 
 // (bytes, elements) of one block of qtype.
@@ -409,7 +435,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
   TORCH_CHECK(weight.size(1) == in_features / elements * bytes,
               "gguf_linear: weight rows of ", weight.size(1), " bytes do not hold ", in_features, " elements");
   const at::Tensor w = weight.contiguous();
-  const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
+  const bool flat = x.dim() == 2 && x.is_contiguous();  // the usual case: no reshape or view around the call
+  const at::Tensor x2 = flat ? x : x.reshape({-1, in_features}).contiguous();
   const int64_t N = w.size(0);
   at::Tensor out;
   switch (qtype) {
@@ -422,6 +449,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
     case Q5_K: out = run<Q5_K>(x2, w, N); break;
     default: out = run<Q6_K>(x2, w, N); break;
   }
+  if (flat) return out;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   return out.view(shape);
