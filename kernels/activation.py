@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.torch_impl.activation import silu_and_mul_torch
+from pagedserve.kernels.torch_impl.activation import silu_and_mul_cpu
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -15,4 +15,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from pagedserve.kernels.triton.activation import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
-    return silu_and_mul_torch(x)
+    return silu_and_mul_cpu(x)

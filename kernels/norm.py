@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.torch_impl.norm import fused_add_rms_norm_torch, rms_norm_torch
+from pagedserve.kernels.torch_impl.norm import fused_add_rms_norm_cpu, rms_norm_cpu
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from pagedserve.kernels.triton.norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
-    return rms_norm_torch(x, weight, eps)
+    return rms_norm_cpu(x, weight, eps)
 
 
 def fused_add_rms_norm(
@@ -33,4 +33,4 @@ def fused_add_rms_norm(
         from pagedserve.kernels.triton.norm import fused_add_rms_norm_triton
 
         return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return fused_add_rms_norm_torch(x, residual, weight, eps)
+    return fused_add_rms_norm_cpu(x, residual, weight, eps)

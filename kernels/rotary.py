@@ -7,7 +7,7 @@ import math
 import torch
 
 from pagedserve.kernels._validate import check_dim
-from pagedserve.kernels.torch_impl.rotary import rotary_embedding_torch
+from pagedserve.kernels.torch_impl.rotary import rotary_embedding_cpu
 
 
 def _inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -83,4 +83,4 @@ def rotary_embedding(
         from pagedserve.kernels.triton.rotary import rotary_embedding_triton
 
         return rotary_embedding_triton(positions, query, key, cos_sin_cache, head_size, is_neox)
-    return rotary_embedding_torch(positions, query, key, cos_sin_cache, head_size, is_neox)
+    return rotary_embedding_cpu(positions, query, key, cos_sin_cache, head_size, is_neox)

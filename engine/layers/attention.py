@@ -76,8 +76,14 @@ class Attention(nn.Module):
             value_cache,
             md.slot_mapping,
         )
-        out = torch.empty_like(query)
         nd_seqs, nd = md.num_decodes, md.num_decode_tokens
+        if nd == num_tokens and md.query_start_loc_cpu[-1] == num_tokens:  # decode only: no output buffer to fill
+            out = kernels.paged_decode_attention(
+                query, key_cache, value_cache, md.block_tables, md.seq_lens, self.scale,
+                sliding_window=self.sliding_window, seq_lens_cpu=md.seq_lens_cpu,
+            )
+            return out.view(num_tokens, self.num_heads * self.head_size)
+        out = torch.empty_like(query)
         if nd > 0:
             out[:nd] = kernels.paged_decode_attention(
                 query[:nd],

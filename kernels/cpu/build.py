@@ -35,7 +35,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("registration.cpp", "paged_attention.cpp", "cache.cpp", "gguf_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("registration.cpp", "paged_attention.cpp", "cache.cpp",
+                                                      "gguf_linear.cpp", "elementwise.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
 ENV_SWITCH = "PAGEDSERVE_CPU_OPS"

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -52,9 +53,18 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), "slot_mapping [T] expected");
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   const at::Tensor slots = slot_mapping.contiguous();
-  // An out-of-range slot would write outside the cache: refuse it up front.
-  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < num_slots, "slot_mapping has a slot beyond the cache (",
-              num_slots, " slots)");
+  // An out-of-range slot would write outside the cache: refuse it up front (a plain scan: at a decode
+  // step's few tokens a tensor reduction costs more than the copies).
+  TORCH_CHECK(slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt, "slot_mapping must be int32 or int64");
+  int64_t max_slot = -1;
+  if (slots.scalar_type() == at::kLong) {
+    const int64_t* p = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < slots.numel(); ++t) max_slot = std::max(max_slot, p[t]);
+  } else {
+    const int32_t* p = slots.data_ptr<int32_t>();
+    for (int64_t t = 0; t < slots.numel(); ++t) max_slot = std::max(max_slot, static_cast<int64_t>(p[t]));
+  }
+  TORCH_CHECK(max_slot < num_slots, "slot_mapping has a slot beyond the cache (", num_slots, " slots)");
   if (slots.scalar_type() == at::kLong) {
     copy_rows(key, key_cache, slots.data_ptr<int64_t>());
     copy_rows(value, value_cache, slots.data_ptr<int64_t>());

@@ -4,6 +4,31 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.cpu.build import cpu_ops_available
+
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rotary_embedding_cpu(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU path: one compiled op for q and k (kernels/cpu/elementwise.cpp) where it built, else the twin."""
+    if (
+        query.dtype in _COMPILED_DTYPES
+        and key.dtype == query.dtype
+        and cos_sin_cache.dtype in _COMPILED_DTYPES
+        and query.stride(-1) == 1
+        and key.stride(-1) == 1
+        and cpu_ops_available()
+    ):
+        return torch.ops.pagedserve.rotary_embedding(positions, query, key, cos_sin_cache, head_size, is_neox)
+    return rotary_embedding_torch(positions, query, key, cos_sin_cache, head_size, is_neox)
+
 
 def rotary_embedding_torch(
     positions: torch.Tensor,

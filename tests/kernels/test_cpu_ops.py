@@ -286,3 +286,91 @@ def test_entry_point_names_seq_lens_that_overrun_the_block_table():
     with pytest.raises(ValueError, match="seq_lens"):
         kernels.paged_decode_attention(torch.randn(1, 2, 32), batch.key_cache, batch.value_cache, batch.block_tables,
                                        torch.tensor([too_long], dtype=torch.int32), 0.1, seq_lens_cpu=[too_long])
+
+
+# ---- the per-layer elementwise ops (kernels/cpu/elementwise.cpp) against their torch twins
+
+ELEMENTWISE_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+
+
+@pytest.fixture(autouse=True)
+def _ops_loaded():
+    assert cpu_ops_available()  # torch.ops.pagedserve.* exist once the library is loaded
+
+
+@ELEMENTWISE_DTYPES
+@pytest.mark.parametrize("hidden", [64, 576, 72])  # 72: a tail after the 16-wide lanes
+def test_compiled_rms_norm_matches_twin(dtype, hidden):
+    from pagedserve.kernels.torch_impl.norm import fused_add_rms_norm_torch, rms_norm_torch
+
+    torch.manual_seed(0)
+    x, residual = torch.randn(9, hidden).to(dtype), torch.randn(9, hidden).to(dtype)
+    w = torch.randn(hidden).to(dtype)
+    out = torch.ops.pagedserve.rms_norm(x, w, 1e-5)
+    # Only the float32 order of the sum of squares differs: one rounding of the dtype at most.
+    torch.testing.assert_close(out, rms_norm_torch(x, w, 1e-5), **tolerance(dtype))
+    normed, summed = torch.ops.pagedserve.fused_add_rms_norm(x, residual, w, 1e-5)
+    ref_normed, ref_summed = fused_add_rms_norm_torch(x, residual, w, 1e-5)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, **tolerance(dtype))
+    # Strided (a slice of a wider tensor) and 3-D inputs take the same path as contiguous 2-D ones.
+    wide = torch.randn(9, 2 * hidden).to(dtype)
+    torch.testing.assert_close(kernels.rms_norm(wide[:, :hidden], w, 1e-5),
+                               rms_norm_torch(wide[:, :hidden], w, 1e-5), **tolerance(dtype))
+    assert kernels.rms_norm(x.view(3, 3, hidden), w, 1e-5).shape == (3, 3, hidden)
+
+
+@ELEMENTWISE_DTYPES
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [64, 16])
+def test_compiled_rotary_is_bitwise_the_twin(dtype, is_neox, rotary_dim):
+    from pagedserve.kernels.torch_impl.rotary import rotary_embedding_torch
+
+    torch.manual_seed(0)
+    head_size = 64
+    qkv = torch.randn(5, 12 * head_size).to(dtype)
+    q, k, _ = qkv.split([8 * head_size, 2 * head_size, 2 * head_size], dim=-1)  # strided views, as in the model
+    positions = torch.tensor([0, 3, 50, 99, 7])
+    for cache_dtype in (torch.float32, dtype):
+        cache = kernels.compute_rope_cos_sin_cache(rotary_dim, 100, 10000.0, None, cache_dtype)
+        got_q, got_k = torch.ops.pagedserve.rotary_embedding(positions, q, k, cache, head_size, is_neox)
+        ref_q, ref_k = rotary_embedding_torch(positions, q, k, cache, head_size, is_neox)
+        assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+
+def test_compiled_rotary_refuses_positions_outside_the_cache():
+    cache = kernels.compute_rope_cos_sin_cache(16, 8, 10000.0, None, torch.float32)
+    q = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="outside the cos/sin cache"):
+        torch.ops.pagedserve.rotary_embedding(torch.tensor([1, 8]), q, q, cache, 16, True)
+
+
+@ELEMENTWISE_DTYPES
+def test_compiled_silu_and_mul_matches_twin(dtype):
+    from pagedserve.kernels.torch_impl.activation import silu_and_mul_torch
+
+    torch.manual_seed(0)
+    x = (4 * torch.randn(3, 4, 2 * 1536)).to(dtype)
+    got = torch.ops.pagedserve.silu_and_mul(x)
+    assert got.shape == (3, 4, 1536)
+    # float32: its own expf (within an ulp of torch's); bf16/fp16: rounded to the same values.
+    torch.testing.assert_close(got, silu_and_mul_torch(x), **tolerance(dtype))
+    assert torch.equal(kernels.silu_and_mul(x), got)
+
+
+def test_elementwise_entry_points_use_the_compiled_ops(monkeypatch):
+    """The CPU entry points call the compiled ops (one dispatch each), not the twins' compositions."""
+    from pagedserve.kernels.torch_impl import activation, norm, rotary
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the twin ran")
+
+    for module, name in ((norm, "rms_norm_torch"), (norm, "fused_add_rms_norm_torch"),
+                         (rotary, "rotary_embedding_torch"), (activation, "silu_and_mul_torch")):
+        monkeypatch.setattr(module, name, refuse)
+    x, w = torch.randn(2, 32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16)
+    kernels.rms_norm(x, w, 1e-6)
+    kernels.fused_add_rms_norm(x, x, w, 1e-6)
+    kernels.silu_and_mul(x)
+    cache = kernels.compute_rope_cos_sin_cache(16, 8, 10000.0, None, torch.bfloat16)
+    kernels.rotary_embedding(torch.tensor([0, 1]), x, x, cache, 16)

@@ -13,6 +13,7 @@ from kernels_testutil import make_paged_batch, naive_paged_attention, tolerance
 
 from pagedserve import kernels
 from pagedserve.kernels.torch_impl.attention import paged_decode_attention_gather, paged_decode_attention_torch
+from pagedserve.kernels.torch_impl.norm import fused_add_rms_norm_torch, rms_norm_torch
 
 # The CPU decode twin (compiled op where built) and its pure-torch path (the fallback), tested alike.
 DECODE_CPU_IMPLS = pytest.mark.parametrize(
@@ -108,10 +109,16 @@ def test_rms_norm_matches_hf(dtype):
     with torch.no_grad():
         hf.weight.copy_(torch.randn(64))
     x, residual = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
-    torch.testing.assert_close(kernels.rms_norm(x, hf.weight.data, 1e-6), hf(x), atol=0, rtol=0)
-    normed, summed = kernels.fused_add_rms_norm(x, residual, hf.weight.data, 1e-6)
+    # The twin bit for bit; the entry point (the compiled CPU op, its own float32 order for the sum of
+    # squares) up to that order.
+    torch.testing.assert_close(rms_norm_torch(x, hf.weight.data, 1e-6), hf(x), atol=0, rtol=0)
+    normed, summed = fused_add_rms_norm_torch(x, residual, hf.weight.data, 1e-6)
     torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
     torch.testing.assert_close(normed, hf(x + residual), atol=0, rtol=0)
+    torch.testing.assert_close(kernels.rms_norm(x, hf.weight.data, 1e-6), hf(x))
+    normed, summed = kernels.fused_add_rms_norm(x, residual, hf.weight.data, 1e-6)
+    torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(normed, hf(x + residual))
 
 
 ROPE_CASES = [
