@@ -165,3 +165,65 @@ def test_a_step_that_fails_while_its_load_is_in_flight_leaves_no_prefix_hits(tin
     assert again.outputs[0].token_ids == _greedy(mono, [prompt], max_tokens=MAX_TOKENS)[0].outputs[0].token_ids
     assert first[0] == again.outputs[0].token_ids[0]
     _all_free(mono, producer, decode)
+
+
+SEEDED = dict(temperature=0.9, seed=11)
+
+
+@pytest.mark.parametrize("continued", [True, False], ids=["continuation", "whole-output"])
+def test_seeded_requests_whose_load_fails_sample_as_the_monolithic_engine(tiny_llama, continued):
+    """The step that read the failed load sampled a token that is dropped: its draw from the request's
+    seeded generator must be dropped with it, else every later token is sampled one draw ahead (with
+    noise-dominated logits the output looks like the monolithic one with a token missing)."""
+    mono, producer, decode = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompts = _prompts(9, [30, 13])
+    params = dict(max_tokens=MAX_TOKENS, ignore_eos=True, **SEEDED)
+    pre = producer.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=1, ignore_eos=True, kv_transfer_params={"do_remote_decode": True},
+                                           **SEEDED), use_tqdm=False)
+    remotes = [o.kv_transfer_params for o in pre]
+    _release(producer, remotes)
+    sp = [SamplingParams(kv_transfer_params=_continue(r) if continued else r, **params) for r in remotes]
+    got = decode.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    want = mono.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
+    # (a continuation's finished output holds the prefill's token too)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    if continued:
+        assert [p.outputs[0].token_ids for p in pre] == [w.outputs[0].token_ids[:1] for w in want]
+    assert decode.llm_engine.get_stats().kv_transfer["load_failures"] == len(prompts)
+    _all_free(mono, producer, decode)
+
+
+def test_seeded_n_children_of_a_gone_hold_sample_as_the_monolithic_engine(tiny_llama):
+    mono, producer, decode = _llm(tiny_llama), _llm(tiny_llama, "kv_producer"), _llm(tiny_llama, "kv_consumer")
+    prompt = _prompts(10, [19])[0]
+    _, (remote,) = _first_tokens(producer, [prompt])
+    _release(producer, [remote])
+    common = dict(n=3, max_tokens=MAX_TOKENS, ignore_eos=True, **SEEDED)
+    got = decode.generate([{"prompt_token_ids": prompt}], SamplingParams(kv_transfer_params=remote, **common),
+                          use_tqdm=False)[0]
+    want = mono.generate([{"prompt_token_ids": prompt}], SamplingParams(**common), use_tqdm=False)[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert decode.llm_engine.get_stats().kv_transfer["load_failures"] == 3
+    _all_free(mono, producer, decode)
+
+
+def test_a_rewound_generator_draws_what_it_would_have_drawn():
+    import torch
+
+    from pagedserve.engine.sample.state import SamplingState
+
+    def draw(state: SamplingState) -> torch.Tensor:
+        return torch.empty(8).exponential_(generator=state.generator_for(torch.device("cpu")))
+
+    state = SamplingState.create(SamplingParams(temperature=1.0, seed=5), [1, 2])
+    state.pending_draws = 1
+    fresh = state.draws_checkpoint()  # before the generator exists
+    draw(state)
+    fresh.rewind_draws()
+    assert state.generator is None and state.pending_draws == 1
+    first = draw(state)
+    made = state.draws_checkpoint()  # the generator exists: its state is restored
+    second = draw(state)
+    made.rewind_draws()
+    assert torch.equal(draw(state), second) and not torch.equal(first, second)
