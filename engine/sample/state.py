@@ -57,7 +57,7 @@ class SamplingState:
     def draws_checkpoint(self) -> DrawsCheckpoint:
         """Where its seeded generator stands, to take back a step's draws (`rewind_draws`)."""
         state = None if self.generator is None else self.generator.get_state()
-        return DrawsCheckpoint(self, state, self.pending_draws)
+        return DrawsCheckpoint(self, self.generator, state, self.pending_draws)
 
     @classmethod
     def create(
@@ -86,13 +86,12 @@ class DrawsCheckpoint:
     its next token with the same draw an uninterrupted run uses."""
 
     sampling: SamplingState
-    generator_state: torch.Tensor | None  # None: the generator had not been made yet
+    generator: torch.Generator | None  # None: not made yet (made afresh from the seed on the next draw)
+    generator_state: torch.Tensor | None
     pending_draws: int
 
     def rewind_draws(self) -> None:
-        sampling = self.sampling
-        if self.generator_state is None:
-            sampling.generator = None  # made afresh from the seed on the next draw
-        elif sampling.generator is not None:
-            sampling.generator.set_state(self.generator_state)
-        sampling.pending_draws = self.pending_draws
+        if self.generator is not None and self.generator_state is not None:
+            self.generator.set_state(self.generator_state)
+        self.sampling.generator = self.generator
+        self.sampling.pending_draws = self.pending_draws
