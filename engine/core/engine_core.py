@@ -214,7 +214,12 @@ class EngineCore:
         message = f"the engine step running this request failed: {describe_failure(exc)}"
         for rid in so.num_scheduled_tokens:  # before the update: it frees the blocks of finished requests
             self.kv_cache_manager.uncache_blocks(rid)
-        outputs = self.scheduler.update_from_output(so, ModelRunnerOutput(sampled_token_ids={}))
+        # Its KV loads never landed: reported as failed, so that their blocks never become prefix hits and
+        # the producers' holds are let go.
+        md = so.kv_connector_metadata
+        failed_loads = {job.req_id for job in md.loads} if md is not None else set()
+        outputs = self.scheduler.update_from_output(so, ModelRunnerOutput(sampled_token_ids={},
+                                                                          kv_load_failed=failed_loads))
         return outputs + self._finish_with_error({rid: message for rid in so.num_scheduled_tokens})
 
     def _finish_with_error(self, errors: dict[str, str]) -> list[EngineCoreOutput]:

@@ -54,6 +54,11 @@ class SamplingState:
             self.generator = make_generator(self.params.seed, device)
         return self.generator
 
+    def draws_checkpoint(self) -> DrawsCheckpoint:
+        """Where its seeded generator stands, to take back a step's draws (`rewind_draws`)."""
+        state = None if self.generator is None else self.generator.get_state()
+        return DrawsCheckpoint(self, self.generator, state, self.pending_draws)
+
     @classmethod
     def create(
         cls,
@@ -72,3 +77,21 @@ class SamplingState:
             eos_token_ids=set(eos_token_ids or ()),
             request_id=request_id,
         )
+
+
+@dataclass
+class DrawsCheckpoint:
+    """A seeded request's generator as it stood before a step whose sampled token the scheduler drops (the
+    step read KV whose load failed): its draws are taken back with the token, so the request samples
+    its next token with the same draw an uninterrupted run uses."""
+
+    sampling: SamplingState
+    generator: torch.Generator | None  # None: not made yet (made afresh from the seed on the next draw)
+    generator_state: torch.Tensor | None
+    pending_draws: int
+
+    def rewind_draws(self) -> None:
+        if self.generator is not None and self.generator_state is not None:
+            self.generator.set_state(self.generator_state)
+        self.sampling.generator = self.generator
+        self.sampling.pending_draws = self.pending_draws

@@ -193,7 +193,13 @@ class ModelRunner:
             return None
         output = ModelRunnerOutput(sampled_token_ids={})
         self._finish_kv_loads(kv_md, output)
+        # A request whose load failed computed over KV never filled: the scheduler drops what it samples
+        # now and recomputes it, so its seeded generator's draws of this step are taken back too.
+        checkpoints = [self.states.requests[rid].sampling.draws_checkpoint()
+                       for rid in output.kv_load_failed if rid in self.states.requests]
         self.outputs.fill(output, so, plan, hidden, self.fault_injector)
+        for checkpoint in checkpoints:
+            checkpoint.rewind_draws()
         if self.is_driver:  # (only the driver reports; on CUDA reading the timer waits for the device)
             output.model_seconds = timer.seconds() + plan.draft_seconds
             if self.lora is not None:
