@@ -74,7 +74,7 @@ def test_a_signed_read_passes_once_and_everything_else_is_refused():
 
 
 @pytest.fixture
-def two_nodes(tiny_llama, tier_llms, tmp_path):
+def two_nodes(tiny_llama, tier_llms, tmp_path):  # noqa: F811 - (the fixture imported above)
     """Engines A and B, each with its tier in a directory of its own (two nodes), and a reference engine."""
     a = tier_llms(tiny_llama, kv_offload_dir=str(tmp_path / "node-a"))
     b = tier_llms(tiny_llama, kv_offload_dir=str(tmp_path / "node-b"))
