@@ -31,6 +31,13 @@ replica), so that a consumer reaches this producer through a handle to the deplo
 replica (`router.PrefixAffinityRouter`): `kv_rank_endpoints`, `kv_read` and `kv_release` take the replica
 they were meant for and refuse a call that reached another one. A rank in this process is read through
 the engine (`AsyncLLM.kv_read`: executor -> worker), never by reaching into it.
+
+The offload tier across nodes (cluster/serve/tier_peer.py, kv_transfer/offload/remote.py): `kv_tier_read`
+serves blocks of this node's tier to a peer's signed read (pinned to this replica like the PD reads); a
+`generate` call whose router named a peer (`kv_tier_peer`) fetches the prompt's blocks this node's tier
+lacks from that peer first (`kv_tier_fetch`, bounded), then the engine loads them from its own tier. The
+reads are signed with the KV secret (kv_transfer/auth.py): in a data-parallel app set PAGEDSERVE_KV_SECRET
+(or _FILE) for every engine, else each process has its own and every peer read is refused (recomputed).
 """
 
 from __future__ import annotations
@@ -176,6 +183,9 @@ class EngineHost:
         self._in_flight_prompt_tokens = 0  # prompt tokens of the requests in generate(): prefill's queue
         # The engine's KV events, riding on the routing stats to every router's index (kv_feed.py).
         self.kv_feed = KVEventFeed(self.engine, self.incarnation)
+        # The offload tier across nodes (made on first use): peers' signed reads, this engine's fetches.
+        self._tier_verifier: TierReadVerifier | None = None
+        self._tier_fetcher: TierFetcher | None = None
         self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch_engine, name="engine-watchdog", daemon=True)
         self._watchdog.start()
@@ -383,10 +393,9 @@ class EngineHost:
         tier = self.engine.kv_offload_tier()
         if tier is None:
             return {}
-        verifier = getattr(self, "_tier_verifier", None)
-        if verifier is None:
-            verifier = self._tier_verifier = TierReadVerifier(self._kv_secret(), self.replica)
-        verifier.verify(auth, namespace, hashes)
+        if self._tier_verifier is None:
+            self._tier_verifier = TierReadVerifier(self._kv_secret(), self.replica)
+        self._tier_verifier.verify(auth, namespace, hashes)
         if namespace != tier.location.namespace.name:
             return {}
         return await asyncio.to_thread(read_tier_blocks, tier.location, hashes, block_file_limit(tier.block_bytes))
@@ -398,12 +407,11 @@ class EngineHost:
         where, tier = TierPeer.from_hint(peer), self.engine.kv_offload_tier()
         if where is None or tier is None or where.replica == self.replica:
             return 0
-        fetcher = getattr(self, "_tier_fetcher", None)
-        if fetcher is None:
-            fetcher = self._tier_fetcher = TierFetcher(tier, self._kv_secret())
+        if self._tier_fetcher is None:
+            self._tier_fetcher = TierFetcher(tier, self._kv_secret())
         hashes = prefix_hashes(prompt_token_ids, self.block_size, max(0, len(prompt_token_ids) - 1) // self.block_size,
                                cache_salt, lora_key)
-        return await fetcher.fetch(where, hashes)
+        return await self._tier_fetcher.fetch(where, hashes)
 
     # ------------------------------------------------------------------ shutdown and the watchdog
 

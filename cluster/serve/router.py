@@ -39,6 +39,12 @@ A PD consumer's calls to a producer engine (`kv_rank_endpoints`, `kv_read`, `kv_
 the replica it is for in its `replica` keyword: cluster/pd/ray_transport.py) skip the policy: they go to
 that replica, or, when it is gone, to any other, which refuses them at once (`EngineHost._check_pinned`).
 
+The offload tier across nodes: when another replica's offload tier (by this router's index) holds a longer
+run of the prompt's blocks than the chosen replica holds anywhere, the router names it in the `generate`
+call (`kv_tier_peer`: `tier_peer`), the way a PD request names its producer, and the chosen engine fetches
+the blocks its node lacks from that tier first (cluster/serve/tier_peer.py). `kv_tier_read` is pinned
+like the PD reads.
+
 Every router instance in a process registers itself (`router_registry`), so that the ingress can build
 /metrics from the replicas' routing stats and the routing decisions without an RPC.
 """
