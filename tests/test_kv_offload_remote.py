@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedserve.kv_transfer.offload.remote import (
     MAX_TIER_READ_BLOCKS,
@@ -21,6 +23,7 @@ from pagedserve.kv_transfer.offload.remote import (
     read_tier_blocks,
     sign_tier_read,
 )
+from pagedserve.kv_transfer.offload.tier_files import make_rank_dir
 from tests.offload_checks import check_all_blocks, check_offload_tier
 from tests.test_kv_offload import BS, PREFIX, _evict_all, _hashes, _ids, _offload, _run, _tokens, tier_llms  # noqa: F401
 
@@ -163,3 +166,36 @@ def test_a_fetched_block_damaged_on_the_tier_fails_its_load_and_the_request_reco
     assert stats["load_failures"] == 1 and stats["remote_hit_tokens"] == 0
     check_all_blocks(a, b)
     assert not any(_tier(b).location.on_node(h) for h in hashes[:7])  # the failed load dropped what it read
+
+
+# ---------------------------------------------------------------------------------------------- fuzzing
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blob=st.binary(max_size=400), flip=st.integers(min_value=0, max_value=10_000))
+def test_whatever_a_peer_sends_only_whole_checked_blocks_are_placed(tmp_path, blob, flip):
+    """Garbage, a valid block under another hash, a valid block with one flipped byte, extra hashes nobody
+    asked for: nothing is placed but the asked-for, intact block, and nothing raises."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from pagedserve.kv_transfer.offload.tier_files import TierLocation, write_block
+
+    example = Path(tempfile.mkdtemp(dir=tmp_path))  # (tmp_path is shared by the examples)
+    location = TierLocation("disk", example / "ns", 1)
+    make_rank_dir(location, 0)
+    good_hash, other_hash = bytes([1]) * 32, bytes([2]) * 32
+    src = example / "src"
+    write_block(src, good_hash, [torch.arange(8.0)], [torch.arange(8.0) + 1])
+    good = src.read_bytes()
+    damaged = bytearray(good)
+    damaged[flip % len(damaged)] ^= 0x10
+    limit = block_file_limit(64)
+    for sent in ({good_hash: [blob]}, {good_hash: [bytes(damaged)]}, {good_hash: [good, good]},
+                 {good_hash: good}, {other_hash: [good]}, [good], None):
+        assert install_tier_blocks(location, [good_hash], sent, limit) == []
+    assert not location.on_node(good_hash)
+    assert install_tier_blocks(location, [good_hash], {good_hash: [good], other_hash: [good]}, limit) == [good_hash]
+    assert location.block_path(0, good_hash).read_bytes() == good and not location.on_node(other_hash)

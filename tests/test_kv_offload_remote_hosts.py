@@ -19,7 +19,8 @@ from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.router import tier_peer
 from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.kv_transfer.offload.remote import TierReadAuthError
+from pagedserve.engine.core.block_pool import prompt_block_hashes
+from pagedserve.kv_transfer.offload.remote import TierReadAuthError, sign_tier_read
 from tests.offload_checks import check_all_blocks
 from tests.test_serve_router import make_router, pending
 
@@ -152,11 +153,19 @@ def test_a_failed_fetch_costs_a_bounded_wait_and_a_recompute(nodes, fault):
     check_all_blocks(_as_llm(a), _as_llm(b))
 
 
-def test_an_unsigned_read_of_a_host_is_refused(nodes):
+def test_an_unsigned_read_of_a_host_is_refused_and_another_namespace_gets_nothing(nodes):
     a, _, _ = nodes
+    rng = random.Random(23)
+    prefix = asyncio.run(_spill_on(a, rng))
+    hashes = prompt_block_hashes(prefix, BS)
     namespace = a.engine.kv_offload_tier().location.namespace.name
     with pytest.raises(TierReadAuthError):
-        asyncio.run(a.kv_tier_read(namespace, [b"\0" * 32], None, replica="r0"))
+        asyncio.run(a.kv_tier_read(namespace, hashes, None, replica="r0"))
+    other = "pagedserve-kv-" + "0" * 32  # engines of another model or KV layout: never interchangeable
+    signed = sign_tier_read(a._kv_secret(), other, "r0", hashes)
+    assert asyncio.run(a.kv_tier_read(other, hashes, signed, replica="r0")) == {}
+    signed = sign_tier_read(a._kv_secret(), namespace, "r0", hashes)
+    assert set(asyncio.run(a.kv_tier_read(namespace, hashes, signed, replica="r0"))) == set(hashes)
     with pytest.raises(ConnectionError):  # a read meant for another replica that reached this one
         asyncio.run(a.kv_tier_read(namespace, [b"\0" * 32], None, replica="r9"))
 
