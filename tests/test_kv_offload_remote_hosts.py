@@ -104,9 +104,11 @@ def test_the_router_names_the_peer_and_the_engine_loads_the_prefix_from_its_tier
         assert ranks[0] == [replicas[1]]
         assert call.kwargs["kv_tier_peer"] == {"app": "a", "deployment": "e", "replica": "r0"}
         out = await _generate(b, "q", prompt, **call.kwargs)
+        router.observe_cached("req", out.num_cached_tokens)  # (the prediction counted the peer's run)
         return prompt, out, await b.get_stats()
 
     prompt, out, stats = asyncio.run(run())
+    assert router.prediction_counters.checked == router.prediction_counters.matched == 1
     assert out.outputs[0].token_ids == _reference(reference, prompt)
     assert out.num_cached_tokens == PREFIX
     assert stats.kv_offload_remote_hit_tokens == stats.kv_offload_hit_tokens == PREFIX
@@ -183,6 +185,7 @@ def test_tier_peer_names_a_fresh_replica_whose_tier_holds_a_longer_run():
         "stale": ReplicaView(tiers={"host": set(keys)}),
     }
     names = list(index.views)
-    assert tier_peer(index, "chosen", names, keys) == "tier"
+    assert tier_peer(index, "chosen", names, keys) == ("tier", 4)
+    assert tier_peer(index, "chosen", names, keys, held_blocks=4) is None  # (the router knows it holds 4)
     assert tier_peer(index, "chosen", ["chosen", "device_only", "gap", "stale"], keys) is None
     assert tier_peer(index, "tier", names, keys) is None  # the choice holds as much as anyone's tier

@@ -148,12 +148,13 @@ def pinned_replica(pending_request: PendingRequest | None) -> str | None:
     return replica if isinstance(replica, str) else None
 
 
-def tier_peer(index: ClusterKVIndex, choice: Hashable, candidates: Sequence[Hashable],
-              keys: Sequence[bytes]) -> Hashable | None:
-    """The candidate other than `choice` whose offload tier holds a longer run of the prompt's blocks (from
-    its first) than `choice` holds anywhere, by this router's index (fresh views only), else None: the
-    chosen engine fetches the difference from that replica's tier (cluster/serve/tier_peer.py)."""
-    best, best_n = None, index.held_blocks(choice, keys)[1]
+def tier_peer(index: ClusterKVIndex, choice: Hashable, candidates: Sequence[Hashable], keys: Sequence[bytes],
+              held_blocks: int | None = None) -> tuple[Hashable, int] | None:
+    """(the candidate other than `choice` whose offload tier holds the longest run of the prompt's blocks
+    from its first, that run's length in blocks), when that run is longer than what `choice` holds anywhere
+    (`held_blocks`, else by this router's index); fresh views only; else None. The chosen engine fetches
+    the difference from that replica's tier (cluster/serve/tier_peer.py)."""
+    best, best_n = None, index.held_blocks(choice, keys)[1] if held_blocks is None else held_blocks
     for rid in candidates:
         view = index.views.get(rid)
         if rid == choice or view is None or not view.fresh:
@@ -164,7 +165,7 @@ def tier_peer(index: ClusterKVIndex, choice: Hashable, candidates: Sequence[Hash
             n += 1
         if n > best_n:
             best, best_n = rid, n
-    return best
+    return None if best is None else (best, best_n)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -308,14 +309,16 @@ class PrefixAffinityRouter(RequestRouter):
             list(by_id), lambda rid: self.replica_load(by_id[rid]), holding,
             last_sent=self.policy.sent_to(list(by_id), approx))
         self._count_in_ray(decision)
-        peer = tier_peer(self.index, choice, list(by_id), keys)
-        if peer is not None:
-            self.tier_hint = {"app": peer.deployment_id.app_name, "deployment": peer.deployment_id.name,
-                              "replica": peer.unique_id}
+        predicted = held.device_tokens + held.offload_tokens
+        peer = tier_peer(self.index, choice, list(by_id), keys, predicted // block_size)
+        if peer is not None:  # the engine fetches the peer's run first: it finds that much (if the fetch works)
+            self.tier_hint = {"app": peer[0].deployment_id.app_name, "deployment": peer[0].deployment_id.name,
+                              "replica": peer[0].unique_id}
+            predicted = peer[1] * block_size
         self.recent.remember(keys, choice, now)
         self.policy.remember(approx, choice)
         if request_id is not None:
-            self.predictions[request_id] = held.device_tokens + held.offload_tokens
+            self.predictions[request_id] = predicted
             while len(self.predictions) > MAX_PREDICTIONS:
                 self.predictions.popitem(last=False)
         return choice, decision
