@@ -94,6 +94,8 @@ class TierFetcher:
         """Fetch the blocks of `hashes` (a prompt's chain) that this node's tier lacks from `peer`; returns
         how many were placed and adopted. Never raises for the peer's sake: the engine recomputes instead."""
         location = self.tier.location
+        if self.tier.capacity_blocks <= 0:
+            return 0  # (a tier of no blocks would own nothing it placed)
         wanted = [h for h in hashes if not location.on_node(h)][:MAX_TIER_READ_BLOCKS]
         if not wanted:
             return 0

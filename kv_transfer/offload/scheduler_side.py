@@ -12,6 +12,10 @@ connector's external tokens, layer by layer beside the forward pass, and its blo
 once the load landed (`KVCacheManager.finish_load`). A failed load makes the request recompute (the
 scheduler's invalid-block roll-back) and drops the entries it read.
 
+Blocks fetched from another node's tier (remote.py) are placed in this node's tier by the engine host and
+`adopt`ed here: from the next step they are this engine's entries like its own spills (counted apart:
+`remote_fetched_blocks`, and `remote_hit_tokens` when a load reads them).
+
 Events: `listeners` hear "block offloaded (hash, tier)", "block dropped from tier (hash, tier)" and "block
 reloaded from tier (hash, tier)" as the index changes (the KV event stream connects here).
 """
