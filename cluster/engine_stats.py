@@ -46,6 +46,8 @@ class EngineFigures:
     kv_offload_query_tokens: int = _figure("counter", "kv_offload_queries", "Prompt tokens the device prefix cache "
                                                                             "lacked, looked up in the KV offload tier.")
     kv_offload_hit_tokens: int = _figure("counter", "kv_offload_hits", "Prompt tokens reloaded from the KV offload tier.")
+    kv_offload_remote_hit_tokens: int = _figure("counter", "kv_offload_remote_hits",
+                                                "Of the KV offload hits, prompt tokens fetched from another node's tier.")
     kv_offload_stored_bytes: int = _figure("counter", "kv_offload_stored_bytes", "KV bytes spilled from the device "
                                                                                  "cache to the offload tier.")
     kv_offload_loaded_bytes: int = _figure("counter", "kv_offload_loaded_bytes",

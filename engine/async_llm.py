@@ -194,6 +194,14 @@ class AsyncLLM:
     def kv_rank_endpoints(self) -> list:
         return self.engine.kv_rank_endpoints()
 
+    def kv_offload_tier(self) -> Any:
+        """The offload tier's scheduler side (its `location`, `block_bytes`, thread-safe `adopt`), or None
+        without a tier: what the engine host serves peers from and fetches into (kv_transfer/offload/remote.py)."""
+        if self.config.kv_offload_size is None:
+            return None
+        connector = self.engine.engine_core.kv_connector
+        return getattr(connector, "offload", connector)
+
     def rank_node_ids(self) -> list[str | None]:
         return self.engine.rank_node_ids()
 

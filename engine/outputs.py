@@ -170,6 +170,7 @@ class SchedulerStats:
     kv_offload: dict = field(default_factory=dict)
     kv_offload_query_tokens: int = 0
     kv_offload_hit_tokens: int = 0
+    kv_offload_remote_hit_tokens: int = 0
     kv_offload_stored_bytes: int = 0
     kv_offload_loaded_bytes: int = 0
     # Speculative decoding counters (engine.spec_decode.metrics.SpecDecodeStats as a dict); {} without it.

@@ -133,12 +133,14 @@ def test_a_request_that_finishes_during_its_load_unpins_its_entries(tmp_path):
 
 def test_metrics_and_the_cli_carry_the_tier(tiny_llama):
     from pagedserve.cluster.cli import build_parser, serve_args_from
+    from pagedserve.cluster.fleet_stats import FleetStats
     from pagedserve.cluster.serving.metrics import ServingMetrics
 
-    figures = {"kv_offload_query_tokens": 64, "kv_offload_hit_tokens": 32, "kv_offload_stored_bytes": 4096,
-               "kv_offload_loaded_bytes": 2048}
+    figures = FleetStats(kv_offload_query_tokens=64, kv_offload_hit_tokens=32, kv_offload_remote_hit_tokens=16,
+                         kv_offload_stored_bytes=4096, kv_offload_loaded_bytes=2048)
     text = ServingMetrics("m", lambda: figures).render()[0].decode()
-    for name, value in [("queries", 64), ("hits", 32), ("stored_bytes", 4096), ("loaded_bytes", 2048)]:
+    for name, value in [("queries", 64), ("hits", 32), ("remote_hits", 16), ("stored_bytes", 4096),
+                        ("loaded_bytes", 2048)]:
         assert f'pagedserve:kv_offload_{name}_total{{model_name="m"}} {value}.0' in text
     ns = build_parser().parse_args(["serve", str(tiny_llama), "--kv-offload-size", "2GiB", "--kv-offload-dir", "/x"])
     args = serve_args_from(ns)

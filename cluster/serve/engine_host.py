@@ -31,6 +31,13 @@ replica), so that a consumer reaches this producer through a handle to the deplo
 replica (`router.PrefixAffinityRouter`): `kv_rank_endpoints`, `kv_read` and `kv_release` take the replica
 they were meant for and refuse a call that reached another one. A rank in this process is read through
 the engine (`AsyncLLM.kv_read`: executor -> worker), never by reaching into it.
+
+The offload tier across nodes (cluster/serve/tier_peer.py, kv_transfer/offload/remote.py): `kv_tier_read`
+serves blocks of this node's tier to a peer's signed read (pinned to this replica like the PD reads); a
+`generate` call whose router named a peer (`kv_tier_peer`) fetches the prompt's blocks this node's tier
+lacks from that peer first (`kv_tier_fetch`, bounded), then the engine loads them from its own tier. The
+reads are signed with the KV secret (kv_transfer/auth.py): in a data-parallel app set PAGEDSERVE_KV_SECRET
+(or _FILE) for every engine, else each process has its own and every peer read is refused (recomputed).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes, short_hash
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
+from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.lora.request import pop_lora_request
@@ -63,6 +71,7 @@ from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kv_transfer.offload.remote import TierReadVerifier, block_file_limit, read_tier_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +183,9 @@ class EngineHost:
         self._in_flight_prompt_tokens = 0  # prompt tokens of the requests in generate(): prefill's queue
         # The engine's KV events, riding on the routing stats to every router's index (kv_feed.py).
         self.kv_feed = KVEventFeed(self.engine, self.incarnation)
+        # The offload tier across nodes (made on first use): peers' signed reads, this engine's fetches.
+        self._tier_verifier: TierReadVerifier | None = None
+        self._tier_fetcher: TierFetcher | None = None
         self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch_engine, name="engine-watchdog", daemon=True)
         self._watchdog.start()
@@ -214,6 +226,7 @@ class EngineHost:
     async def generate(
         self, request_id: str, prompt: list[int] | str | dict, sampling_params: dict, priority: int = 0,
         final_only: bool = False, cache_salt: str | None = None, pooling_params: dict | None = None,
+        kv_tier_peer: dict | None = None,
     ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Stream DELTA outputs, the prompt only in the first (see `stream_transport`). With `final_only`
         (the caller reads nothing before the end: a non-streaming HTTP request) the stream is one output,
@@ -222,7 +235,8 @@ class EngineHost:
         ValueError (bad input), EngineOverloadedError and EngineDeadError propagate. With `pooling_params`
         (PoolingParams fields) it is an embedding request (`AsyncLLM.encode`): one finished
         EmbeddingRequestOutput; `sampling_params` is ignored. A LoRA adapter rides in the sampling params
-        (`engine.lora.request.SAMPLING_KEY`)."""
+        (`engine.lora.request.SAMPLING_KEY`). `kv_tier_peer` (set by the request router): a replica on another
+        node whose offload tier holds the prompt's prefix; it is fetched first (`kv_tier_fetch`)."""
         try:
             sampling_params, lora_request = pop_lora_request(sampling_params)
             if pooling_params is not None:
@@ -240,6 +254,9 @@ class EngineHost:
             prompt = {**prompt, "cache_salt": cache_salt}
         if ids is not None:
             self._remember(ids, cache_salt, lora_request.cache_key if lora_request is not None else ())
+            if kv_tier_peer is not None:
+                await self.kv_tier_fetch(kv_tier_peer, ids, cache_salt,
+                                         lora_request.cache_key if lora_request is not None else ())
         prompt_tokens = len(ids) if ids is not None else 0
         self._in_flight_prompt_tokens += prompt_tokens
         aborted = asyncio.Event()
@@ -357,6 +374,44 @@ class EngineHost:
         """A PD consumer is done with a finished prefill's KV: free its blocks (only with the hold's token)."""
         self._check_pinned(replica)
         self.engine.release_kv([(request_id, hold_token)])
+
+    # ------------------------------------------------------------------ the offload tier across nodes
+
+    def _kv_secret(self) -> bytes:
+        from pagedserve.kv_transfer.auth import resolve_secret
+        from pagedserve.kv_transfer.config import parse_kv_transfer_config
+
+        kv = self.engine.config.kv_transfer_config
+        return parse_kv_transfer_config(kv).secret() if kv else resolve_secret(None)
+
+    async def kv_tier_read(self, namespace: str, hashes: list[bytes], auth: Any,
+                           replica: str | None = None) -> dict[bytes, list[bytes]]:
+        """A peer on another node reads blocks of this node's offload tier by their prefix-cache hashes
+        (kv_transfer/offload/remote.py): signed with the deployment's KV secret (else refused), for this
+        tier's namespace (else nothing); a hash the tier does not hold whole is left out."""
+        self._check_pinned(replica)
+        tier = self.engine.kv_offload_tier()
+        if tier is None:
+            return {}
+        if self._tier_verifier is None:
+            self._tier_verifier = TierReadVerifier(self._kv_secret(), self.replica)
+        self._tier_verifier.verify(auth, namespace, hashes)
+        if namespace != tier.location.namespace.name:
+            return {}
+        return await asyncio.to_thread(read_tier_blocks, tier.location, hashes, block_file_limit(tier.block_bytes))
+
+    async def kv_tier_fetch(self, peer: dict, prompt_token_ids: list[int], cache_salt: str | None = None,
+                            lora_key: tuple = ()) -> int:
+        """Fetch the prompt's blocks this node's tier lacks from `peer`'s (cluster/serve/tier_peer.py); returns
+        how many arrived. 0 without a tier, for a malformed hint, or when the fetch failed (bounded)."""
+        where, tier = TierPeer.from_hint(peer), self.engine.kv_offload_tier()
+        if where is None or tier is None or where.replica == self.replica:
+            return 0
+        if self._tier_fetcher is None:
+            self._tier_fetcher = TierFetcher(tier, self._kv_secret())
+        hashes = prefix_hashes(prompt_token_ids, self.block_size, max(0, len(prompt_token_ids) - 1) // self.block_size,
+                               cache_salt, lora_key)
+        return await self._tier_fetcher.fetch(where, hashes)
 
     # ------------------------------------------------------------------ shutdown and the watchdog
 

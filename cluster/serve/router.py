@@ -39,6 +39,12 @@ A PD consumer's calls to a producer engine (`kv_rank_endpoints`, `kv_read`, `kv_
 the replica it is for in its `replica` keyword: cluster/pd/ray_transport.py) skip the policy: they go to
 that replica, or, when it is gone, to any other, which refuses them at once (`EngineHost._check_pinned`).
 
+The offload tier across nodes: when another replica's offload tier (by this router's index) holds a longer
+run of the prompt's blocks than the chosen replica holds anywhere, the router names it in the `generate`
+call (`kv_tier_peer`: `tier_peer`), the way a PD request names its producer, and the chosen engine fetches
+the blocks its node lacks from that tier first (cluster/serve/tier_peer.py). `kv_tier_read` is pinned
+like the PD reads.
+
 Every router instance in a process registers itself (`router_registry`), so that the ingress can build
 /metrics from the replicas' routing stats and the routing decisions without an RPC.
 """
@@ -48,7 +54,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -63,6 +69,7 @@ from pagedserve.cluster.serve.routing_policy import (
     Holding, RoutingParams, RoutingPolicy, engine_load, prefer_holders, prefix_hashes, short_hash,
 )
 from pagedserve.cluster.settings import check_routing_policy
+from pagedserve.engine.core.kv_events import DEVICE
 from pagedserve.engine.lora.request import SAMPLING_KEY, pop_lora_request
 
 logger = logging.getLogger(__name__)
@@ -130,7 +137,7 @@ def request_of(pending_request: PendingRequest | None) -> tuple[str | None, str 
 
 
 # Engine host methods whose calls name the one replica they are for.
-PINNED_METHODS = frozenset({"kv_rank_endpoints", "kv_read", "kv_release"})
+PINNED_METHODS = frozenset({"kv_rank_endpoints", "kv_read", "kv_release", "kv_tier_read"})
 
 
 def pinned_replica(pending_request: PendingRequest | None) -> str | None:
@@ -139,6 +146,26 @@ def pinned_replica(pending_request: PendingRequest | None) -> str | None:
         return None
     replica = pending_request.kwargs.get("replica")
     return replica if isinstance(replica, str) else None
+
+
+def tier_peer(index: ClusterKVIndex, choice: Hashable, candidates: Sequence[Hashable], keys: Sequence[bytes],
+              held_blocks: int | None = None) -> tuple[Hashable, int] | None:
+    """(the candidate other than `choice` whose offload tier holds the longest run of the prompt's blocks
+    from its first, that run's length in blocks), when that run is longer than what `choice` holds anywhere
+    (`held_blocks`, else by this router's index); fresh views only; else None. The chosen engine fetches
+    the difference from that replica's tier (cluster/serve/tier_peer.py)."""
+    best, best_n = None, index.held_blocks(choice, keys)[1] if held_blocks is None else held_blocks
+    for rid in candidates:
+        view = index.views.get(rid)
+        if rid == choice or view is None or not view.fresh:
+            continue
+        tiers = [held for tier, held in view.tiers.items() if tier != DEVICE]
+        n = 0
+        while n < len(keys) and any(keys[n] in held for held in tiers):
+            n += 1
+        if n > best_n:
+            best, best_n = rid, n
+    return None if best is None else (best, best_n)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -175,6 +202,7 @@ class PrefixAffinityRouter(RequestRouter):
         register(self._deployment_id.app_name, self._deployment_id.name, self)
         self._ray_counter = _ray_decision_counter()
         self.route_log = RouteLog()  # each request's decision, for its trace (the ingress takes it)
+        self.tier_hint: dict[str, str] | None = None  # the last exact choice's `kv_tier_peer` (tier_peer)
 
     # ------------------------------------------------------------------ the choice
 
@@ -208,6 +236,7 @@ class PrefixAffinityRouter(RequestRouter):
                 cache_salt: str | None = None, request_id: str | None = None,
                 adapter: str | None = None, lora_key: tuple = ()) -> tuple[RunningReplica, str]:
         by_id = {r.replica_id: r for r in replicas}
+        self.tier_hint = None
         for r in replicas:
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
@@ -280,10 +309,16 @@ class PrefixAffinityRouter(RequestRouter):
             list(by_id), lambda rid: self.replica_load(by_id[rid]), holding,
             last_sent=self.policy.sent_to(list(by_id), approx))
         self._count_in_ray(decision)
+        predicted = held.device_tokens + held.offload_tokens
+        peer = tier_peer(self.index, choice, list(by_id), keys, predicted // block_size)
+        if peer is not None:  # the engine fetches the peer's run first: it finds that much (if the fetch works)
+            self.tier_hint = {"app": peer[0].deployment_id.app_name, "deployment": peer[0].deployment_id.name,
+                              "replica": peer[0].unique_id}
+            predicted = peer[1] * block_size
         self.recent.remember(keys, choice, now)
         self.policy.remember(approx, choice)
         if request_id is not None:
-            self.predictions[request_id] = held.device_tokens + held.offload_tokens
+            self.predictions[request_id] = predicted
             while len(self.predictions) > MAX_PREDICTIONS:
                 self.predictions.popitem(last=False)
         return choice, decision
@@ -326,6 +361,8 @@ class PrefixAffinityRouter(RequestRouter):
                 candidate_replicas, self.replica_load, self._deployment_id.name,
                 name=lambda replica: replica.replica_id.unique_id)
             self.route_log.record(request_id, record)
+        if self.tier_hint is not None and pending_request is not None and pending_request.metadata.call_method == "generate":
+            pending_request.kwargs["kv_tier_peer"] = self.tier_hint  # (Serve sends the kwargs after this)
         rest = sorted((r for r in candidate_replicas if r.replica_id != choice.replica_id), key=self.replica_load)
         return [[choice], rest] if rest else [[choice]]
 

@@ -12,6 +12,10 @@ connector's external tokens, layer by layer beside the forward pass, and its blo
 once the load landed (`KVCacheManager.finish_load`). A failed load makes the request recompute (the
 scheduler's invalid-block roll-back) and drops the entries it read.
 
+Blocks fetched from another node's tier (remote.py) are placed in this node's tier by the engine host and
+`adopt`ed here: from the next step they are this engine's entries like its own spills (counted apart:
+`remote_fetched_blocks`, and `remote_hit_tokens` when a load reads them).
+
 Events: `listeners` hear "block offloaded (hash, tier)", "block dropped from tier (hash, tier)" and "block
 reloaded from tier (hash, tier)" as the index changes (the KV event stream connects here).
 """
@@ -19,6 +23,7 @@ reloaded from tier (hash, tier)" as the index changes (the KV event stream conne
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,10 +64,11 @@ class OffloadMetadata:
     loads: list[OffloadLoadJob] = field(default_factory=list)
     stores: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, hash)
     drops: list[bytes] = field(default_factory=list)
+    adopts: list[bytes] = field(default_factory=list)  # blocks fetched from another node's tier (remote.py)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.stores and not self.drops
+        return not self.loads and not self.stores and not self.drops and not self.adopts
 
 
 @dataclass
@@ -80,6 +86,8 @@ class OffloadStats:
     stored_blocks: int = 0  # blocks spilled from the device cache
     stored_bytes: int = 0
     dropped_blocks: int = 0  # entries the LRU (or a failed load) removed
+    remote_fetched_blocks: int = 0  # blocks fetched from another node's tier into this one (remote.py)
+    remote_hit_tokens: int = 0  # of the hits, from blocks fetched from another node's tier
     resident_blocks: int = 0  # gauge: this engine's entries
     capacity_blocks: int = 0
 
@@ -104,6 +112,32 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         self._matched: dict[str, list[bytes]] = {}  # this step's lookups, until allocation
         self._in_load: dict[str, OffloadLoadJob] = {}
         self._md = OffloadMetadata()
+        self._remote: set[bytes] = set()  # entries fetched from another node's tier
+        self._adopt_lock = threading.Lock()
+        self._to_adopt: list[bytes] = []  # fetched blocks waiting for the scheduler's thread
+
+    # ------------------------------------------------------------------ blocks from another node
+
+    def adopt(self, hashes: list[bytes]) -> None:
+        """Blocks fetched from another node's tier and placed in this one (remote.install_tier_blocks) become
+        this engine's entries (thread-safe: taken in at the next step's metadata, before its lookups' loads
+        are sent). Until then a lookup finds them on the node like any other engine's blocks."""
+        with self._adopt_lock:
+            self._to_adopt.extend(hashes)
+
+    def _take_adopted(self) -> None:
+        with self._adopt_lock:
+            hashes, self._to_adopt = self._to_adopt, []
+        for block_hash in hashes:
+            if block_hash in self.index or self.capacity_blocks <= 0:
+                continue
+            self.index[block_hash] = None
+            self._remote.add(block_hash)
+            self._md.adopts.append(block_hash)
+            self.stats.remote_fetched_blocks += 1
+            self._emit("block_offloaded", block_hash)
+        if hashes:
+            self._shrink()
 
     # ------------------------------------------------------------------ spilling
 
@@ -132,6 +166,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
     def _drop(self, block_hash: bytes) -> None:
         if block_hash in self.index:
             del self.index[block_hash]
+            self._remote.discard(block_hash)
             self._md.drops.append(block_hash)
             self.stats.dropped_blocks += 1
             self._emit("block_dropped", block_hash)
@@ -183,6 +218,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         return request.request_id in self._in_load
 
     def build_connector_metadata(self) -> OffloadMetadata:
+        self._take_adopted()
         md, self._md = self._md, OffloadMetadata()
         self._matched.clear()  # lookups of requests that did not fit: done again next step
         self.stats.resident_blocks = len(self.index)
@@ -211,6 +247,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         self.stats.hit_tokens += tokens
         self.stats.loaded_blocks += len(job.hashes)
         self.stats.shared_hit_tokens += sum(self.block_size for h in job.hashes if h not in self.index)
+        self.stats.remote_hit_tokens += sum(self.block_size for h in job.hashes if h in self._remote)
         for block_hash in job.hashes:
             self._emit("block_reloaded", block_hash)
 

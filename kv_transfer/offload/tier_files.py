@@ -137,3 +137,51 @@ def block_bytes(layout: KVLayout, rank: int) -> int:
     """Bytes of one block's K and V on `rank` (its layers and KV heads)."""
     element = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
     return 2 * len(layout.layers_of(rank)) * layout.block_size * len(layout.heads_of(rank)) * layout.head_size * element
+
+
+def read_block_blob(path: Path, block_hash: bytes, max_bytes: int) -> bytes:
+    """One block file's bytes, whole (header included), checked with `check_block_blob` (FileNotFoundError
+    when the tier does not hold it, CorruptBlockFile when the file is not that block)."""
+    fd = os.open(path, os.O_RDONLY)  # (an open file survives its unlinking by the LRU)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise CorruptBlockFile(f"{path.name}: {size} bytes, more than a block of this layout")
+        data = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    check_block_blob(data, block_hash, max_bytes)
+    return data
+
+
+def check_block_blob(data: bytes, block_hash: bytes, max_bytes: int) -> tuple[int, int]:
+    """That `data` is a whole block file of `block_hash` (magic, hash, size and every layer's CRC-32):
+    returns (layers, bytes per layer); raises CorruptBlockFile otherwise."""
+    if not isinstance(data, (bytes, bytearray)) or not _HEADER.size <= len(data) <= max_bytes:
+        raise CorruptBlockFile("not a block file (size)")
+    magic, stored_hash, layers, layer_bytes = _HEADER.unpack_from(data)
+    if magic != MAGIC or stored_hash != block_hash:
+        raise CorruptBlockFile("the header does not name this block")
+    offset = _HEADER.size + 4 * layers
+    if len(data) != offset + layers * layer_bytes:
+        raise CorruptBlockFile("truncated or padded")
+    crcs = struct.unpack_from(f"<{layers}I", data, _HEADER.size)
+    view = memoryview(data)
+    for layer in range(layers):
+        start = offset + layer * layer_bytes
+        if zlib.crc32(view[start:start + layer_bytes]) != crcs[layer]:
+            raise CorruptBlockFile(f"layer {layer} fails its checksum")
+    return layers, layer_bytes
+
+
+def install_block_blob(path: Path, data: bytes) -> None:
+    """Place a checked block file atomically (a name that exists is complete)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.recv.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view, written = memoryview(data), 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -125,6 +125,8 @@ class OffloadConnectorWorker(KVConnectorWorker):
             self._stage(metadata.stores)
         if metadata.drops:
             self._writes.put(("drop", list(metadata.drops)))
+        if metadata.adopts:
+            self._writes.put(("adopt", list(metadata.adopts)))
         if metadata.loads:
             self._start_loads(metadata.loads)
 
@@ -289,6 +291,8 @@ class OffloadConnectorWorker(KVConnectorWorker):
                     self._write(item[1], item[2])
                 elif kind == "drop":
                     self._delete(item[1])
+                elif kind == "adopt":
+                    self._adopt(item[1])
                 elif kind == "sync":
                     item[1].set()
             except Exception:  # noqa: BLE001 - the writer must outlive one bad item
@@ -319,6 +323,13 @@ class OffloadConnectorWorker(KVConnectorWorker):
         finally:
             with self._lock:
                 self._staged_bytes -= staged.nbytes
+
+    def _adopt(self, hashes: list[bytes]) -> None:
+        """Files fetched from another node's tier (remote.py) are this rank's to delete from now on."""
+        for block_hash in hashes:
+            if self.location.block_path(self.rank, block_hash).exists():
+                with self._lock:
+                    self._owned.add(block_hash)
 
     def _delete(self, hashes: list[bytes]) -> None:
         for block_hash in hashes:

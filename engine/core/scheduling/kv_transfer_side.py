@@ -148,5 +148,6 @@ class KVTransferSide:
         if stats is None:
             return {}
         return {"kv_offload": vars(stats), "kv_offload_query_tokens": stats.query_tokens,
-                "kv_offload_hit_tokens": stats.hit_tokens, "kv_offload_stored_bytes": stats.stored_bytes,
+                "kv_offload_hit_tokens": stats.hit_tokens, "kv_offload_remote_hit_tokens": stats.remote_hit_tokens,
+                "kv_offload_stored_bytes": stats.stored_bytes,
                 "kv_offload_loaded_bytes": stats.loaded_bytes}

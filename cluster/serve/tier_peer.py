@@ -1,0 +1,116 @@
+"""Fetching a prompt's offload-tier blocks from an engine replica on another node (kv_transfer/offload/remote.py).
+
+The request router names the replica whose tier holds more of the prompt than the chosen replica
+(`kv_tier_peer` in the `generate` call: app, deployment, replica), the way a PD request names its
+producer. Before the chosen engine sees the request, its host asks that peer for the prompt's blocks its
+own node's tier lacks (`EngineHost.kv_tier_read`, a call pinned to the peer replica by the request router,
+signed with the deployment's KV secret), checks and places what came back in its tier and hands the
+hashes to its scheduler (`adopt`); the engine's lookup then finds them like any tier block and loads
+them layer by layer. Everything here is bounded by `timeout_s`: a peer that is gone, slow, refuses or
+holds nothing costs at most that, and the engine computes what did not arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.kv_transfer.holds import is_short_printable
+from pagedserve.kv_transfer.offload.remote import (
+    MAX_TIER_READ_BLOCKS,
+    TierReadAuth,
+    block_file_limit,
+    install_tier_blocks,
+    sign_tier_read,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIER_FETCH_TIMEOUT_S = 10.0
+TIER_READ_METHOD = "kv_tier_read"
+
+
+@dataclass(frozen=True)
+class TierPeer:
+    """An engine replica whose offload tier the router found a prompt's prefix in."""
+
+    app: str
+    deployment: str
+    replica: str
+
+    @classmethod
+    def from_hint(cls, hint: object) -> TierPeer | None:
+        """The peer a `kv_tier_peer` hint names, or None for anything that is not a well-formed hint."""
+        if not isinstance(hint, dict):
+            return None
+        values = [hint.get(key) for key in ("app", "deployment", "replica")]
+        if not all(is_short_printable(v) for v in values):
+            return None
+        return cls(*values)
+
+    def as_hint(self) -> dict[str, str]:
+        return {"app": self.app, "deployment": self.deployment, "replica": self.replica}
+
+
+# (peer, tier namespace, hashes, auth) -> the peer's answer (`read_tier_blocks`: hash -> per rank bytes)
+TierReadCall = Callable[[TierPeer, str, list[bytes], TierReadAuth], Awaitable[Any]]
+
+
+async def serve_tier_read(peer: TierPeer, namespace: str, hashes: list[bytes], auth: TierReadAuth) -> Any:
+    """`kv_tier_read` on the peer replica, through a handle to its deployment (pinned by the router)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(peer.deployment, peer.app)
+    response = handle.options(method_name=TIER_READ_METHOD).remote(namespace, hashes, auth, replica=peer.replica)
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+
+
+@dataclass
+class TierFetchStats:
+    fetches: int = 0  # fetches that asked a peer
+    fetched_blocks: int = 0  # blocks placed in this node's tier
+    failures: int = 0  # timed out, refused, the peer gone
+
+
+@dataclass
+class TierFetcher:
+    """One engine's fetches from its peers' tiers. `tier`: the engine's offload scheduler (its `location`,
+    `block_bytes`, `adopt`); `secret`: the deployment's KV secret."""
+
+    tier: Any
+    secret: bytes
+    timeout_s: float = DEFAULT_TIER_FETCH_TIMEOUT_S
+    call: TierReadCall = serve_tier_read
+    stats: TierFetchStats = field(default_factory=TierFetchStats)
+
+    async def fetch(self, peer: TierPeer, hashes: list[bytes]) -> int:
+        """Fetch the blocks of `hashes` (a prompt's chain) that this node's tier lacks from `peer`; returns
+        how many were placed and adopted. Never raises for the peer's sake: the engine recomputes instead."""
+        location = self.tier.location
+        if self.tier.capacity_blocks <= 0:
+            return 0  # (a tier of no blocks would own nothing it placed)
+        wanted = [h for h in hashes if not location.on_node(h)][:MAX_TIER_READ_BLOCKS]
+        if not wanted:
+            return 0
+        namespace = location.namespace.name
+        self.stats.fetches += 1
+        auth = sign_tier_read(self.secret, namespace, peer.replica, wanted)
+        try:
+            blocks = await asyncio.wait_for(self.call(peer, namespace, wanted, auth), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - timed out, refused, gone: the engine computes the prefix
+            self.stats.failures += 1
+            logger.warning("KV offload: fetching %d blocks from replica %s's tier failed (they are recomputed): "
+                           "%s: %s", len(wanted), peer.replica, exc.__class__.__name__, exc)
+            return 0
+        installed = await asyncio.to_thread(install_tier_blocks, location, wanted, blocks,
+                                            block_file_limit(self.tier.block_bytes))
+        self.tier.adopt(installed)
+        self.stats.fetched_blocks += len(installed)
+        return len(installed)
