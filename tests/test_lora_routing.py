@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pagedserve.cluster.serve.router import adapter_of
+from pagedserve.cluster.serve.engine_calls import adapter_of
 from tests.test_serve_router import make_router
 
 

@@ -183,15 +183,17 @@ def test_prefill_stage_params_and_when_its_output_is_the_answer():
 
 
 def test_metrics_families_of_the_pd_shape():
-    stats = {
-        "num_running": 3, "engines": [{"engine_index": "prefill-0"}, {"engine_index": "decode-0"}],
-        "kv_transfer": {"loaded_bytes": 4096, "loaded_blocks": 8, "loaded_tokens": 30, "loads": 2,
-                        "load_seconds": 0.5, "load_failures": 1, "fallbacks": 1, "held_requests": 2,
-                        "held_blocks": 5, "expired_holds": 0},
-        "pools": {"prefill": {"num_running": 1, "num_waiting": 4, "num_engines": 1},
-                  "decode": {"num_running": 2, "num_waiting": 0, "num_engines": 1}},
-        "pd": {"pd_requests": 7, "prefill_answers": 1, "decode_only": 0, "prefill_fallbacks": 2},
-    }
+    from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
+
+    stats = FleetStats(
+        num_running=3, engines=[EngineEntry("prefill-0", pool="prefill"), EngineEntry("decode-0", pool="decode")],
+        kv_transfer={"loaded_bytes": 4096, "loaded_blocks": 8, "loaded_tokens": 30, "loads": 2,
+                     "load_seconds": 0.5, "load_failures": 1, "fallbacks": 1, "held_requests": 2,
+                     "held_blocks": 5, "expired_holds": 0},
+        pools={"prefill": FleetStats(num_running=1, num_waiting=4, num_engines=1),
+               "decode": FleetStats(num_running=2, num_waiting=0, num_engines=1)},
+        pd={"pd_requests": 7, "prefill_answers": 1, "decode_only": 0, "prefill_fallbacks": 2},
+    )
     text = ServingMetrics("m", lambda: stats).render()[0].decode()
     assert metric(text, "pagedserve:kv_transfer_bytes_total") == 4096
     assert metric(text, "pagedserve:kv_transfer_blocks_pulled_total") == 8
@@ -203,24 +205,27 @@ def test_metrics_families_of_the_pd_shape():
     waiting = metric_samples(text, "pagedserve:pool_num_requests_waiting")
     assert waiting == {'{model_name="m",pool="prefill"}': 4.0, '{model_name="m",pool="decode"}': 0.0}
     assert metric_samples(text, "pagedserve:pd_requests_total")['{model_name="m",path="prefill_fallbacks"}'] == 2
-    monolithic = ServingMetrics("m", lambda: {"num_running": 1}).render()[0].decode()
+    monolithic = ServingMetrics("m", lambda: FleetStats(num_running=1)).render()[0].decode()
     assert "kv_transfer" not in monolithic and "pool_num_requests" not in monolithic
 
 
 def test_kv_transfer_counters_stay_monotonic_across_engine_restarts():
-    from pagedserve.cluster.serve.pd_client import PDClient
+    """A pool's accumulator (what PDClient's pools keep) carries a restarted engine's KV-transfer counters."""
+    from pagedserve.cluster.engine_stats import EngineStats
+    from pagedserve.cluster.fleet_stats import FleetAccumulator
 
-    client = PDClient.over_actors([object()], [object()], ["p0"], 4, 4)
+    pool = FleetAccumulator()
 
-    def engines(incarnation: str, loaded: int, held: int) -> list[dict]:
-        return [{"engine_index": "decode-0", "incarnation": incarnation,
-                 "kv_transfer": {"loaded_bytes": loaded, "held_requests": held}}]
+    def totals(incarnation: str, loaded: int, held: int) -> dict:
+        pool.observe("decode-0", EngineStats(incarnation=incarnation,
+                                             kv_transfer={"loaded_bytes": loaded, "held_requests": held}))
+        return pool.snapshot([]).kv_transfer
 
-    assert client._kv_totals(engines("a", 100, 2)) == {"loaded_bytes": 100, "held_requests": 2}
-    assert client._kv_totals(engines("a", 150, 1)) == {"loaded_bytes": 150, "held_requests": 1}
+    assert totals("a", 100, 2) == {"loaded_bytes": 100, "held_requests": 2}
+    assert totals("a", 150, 1) == {"loaded_bytes": 150, "held_requests": 1}
     # restarted: its counters start from zero again; the total goes on from 150, the gauge does not
-    assert client._kv_totals(engines("b", 10, 0)) == {"loaded_bytes": 160, "held_requests": 0}
-    assert client._kv_totals(engines("b", 30, 3)) == {"loaded_bytes": 180, "held_requests": 3}
+    assert totals("b", 10, 0) == {"loaded_bytes": 160, "held_requests": 0}
+    assert totals("b", 30, 3) == {"loaded_bytes": 180, "held_requests": 3}
 
 
 def test_pool_autoscaling_flags_and_the_deployments_they_describe(tiny_llama):

@@ -285,12 +285,16 @@ def test_cli_generate_runs_offline(tiny_llama, capsys):
 
 
 def test_metrics_names_and_isolated_registries():
-    stats = {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "num_free_blocks": 30,
-             "num_total_blocks": 40, "prefix_cache_queries": 100, "prefix_cache_hits": 40, "num_preemptions": 3,
-             "num_prompt_tokens": 120, "num_generation_tokens": 60,
-             "engines": [{"engine_index": 0, "healthy": True}, {"engine_index": 1, "healthy": False}]}
+    from pagedserve.cluster.engine_stats import EngineStats
+    from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
+
+    stats = FleetStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_free_blocks=30,
+                       num_total_blocks=40, prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=3,
+                       num_prompt_tokens=120, num_generation_tokens=60,
+                       engines=[EngineEntry("0", EngineStats(healthy=True)),
+                                EngineEntry("1", EngineStats(healthy=False))])
     a = ServingMetrics("m", lambda: stats, max_model_len=512)
-    b = ServingMetrics("m", lambda: {}, max_model_len=512)  # a second app in the same process: no clash
+    b = ServingMetrics("m", lambda: FleetStats(), max_model_len=512)  # a second app in the same process: no clash
     a.observe_first_token(0.05)
     a.observe_inter_token(0.01)
     a.observe_finished(0.5, prompt_tokens=7, generation_tokens=3, finish_reason="length")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from pagedserve.cluster.serve.router import lora_key_of
+from pagedserve.cluster.serve.engine_calls import lora_key_of
 from pagedserve.cluster.serve.routing_policy import AFFINE, BALANCED, EXACT_HIT, MISS, prefix_hashes, short_hash
 from pagedserve.engine.lora.request import SAMPLING_KEY, LoRARequest
 from tests.test_kv_cache_manager import Req, schedule_prefill

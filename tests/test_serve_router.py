@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from pagedserve.cluster.serve.routing_policy import prefix_hashes
-from pagedserve.cluster.serve.router import PrefixAffinityRouter, prompt_of
+from pagedserve.cluster.serve.engine_calls import prompt_of
+from pagedserve.cluster.serve.router import PrefixAffinityRouter
 from pagedserve.cluster.serve.routing_policy import short_hash
 
 BLOCK = 4
