@@ -23,6 +23,21 @@ MODEL_NAME = "tiny"
 VOLATILE = {"id", "created", "system_fingerprint"}
 
 
+def wait_engines_idle(engines: list[EngineHost], timeout_s: float = 30.0) -> list[tuple[int, int, int]]:
+    """(free, total, held) per engine host once every block is free and no hold is left (or the deadline passed)."""
+    gc.collect()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        figures = []
+        for engine in engines:
+            stats = engine.engine.get_stats().scheduler
+            figures.append((stats.num_free_blocks, stats.num_total_blocks,
+                            int((stats.kv_transfer or {}).get("held_requests", 0))))
+        if all(free == total and held == 0 for free, total, held in figures) or time.monotonic() > deadline:
+            return figures
+        time.sleep(0.05)
+
+
 class LocalPD:
     """A prefill engine and a decode engine in this process behind the real PD client and HTTP app."""
 
@@ -55,17 +70,7 @@ class LocalPD:
 
     def wait_idle(self, timeout_s: float = 30.0) -> list[tuple[int, int, int]]:
         """(free, total, held) per engine once every block of both is free and nothing is held."""
-        gc.collect()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            figures = []
-            for engine in self.engines():
-                stats = engine.engine.get_stats().scheduler
-                figures.append((stats.num_free_blocks, stats.num_total_blocks,
-                                int((stats.kv_transfer or {}).get("held_requests", 0))))
-            if all(free == total and held == 0 for free, total, held in figures) or time.monotonic() > deadline:
-                return figures
-            time.sleep(0.05)
+        return wait_engines_idle(self.engines(), timeout_s)
 
     def close(self) -> None:
         for engine in self.engines():

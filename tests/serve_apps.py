@@ -179,6 +179,29 @@ def run(http: httpx.Client, body: dict, progress: threading.Event | None = None)
             "completion_tokens": usage["completion_tokens"] if usage else None}
 
 
+def run_in_background(http: httpx.Client, bodies: list[dict], timeout_s: float
+                      ) -> tuple[list[threading.Thread], dict[int, dict]]:
+    """Start one `run` per body in a thread and return (the threads, their results by index, filled as
+    they finish; an exception becomes a result with status None), once every streamed request has made
+    progress: the requests are then in their engines, mid-generation."""
+    results: dict[int, dict] = {}
+    progress = [threading.Event() for _ in bodies]
+
+    def one(index: int) -> None:
+        try:
+            results[index] = run(http, bodies[index], progress[index])
+        except Exception as exc:  # noqa: BLE001 - reported by the caller's assertions
+            results[index] = {"status": None, "errors": [repr(exc)], "choices": {}}
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for index, body in enumerate(bodies):
+        if body.get("stream"):
+            assert progress[index].wait(timeout_s), f"request {index}: no progress"
+    return threads, results
+
+
 def sse_lines(response: httpx.Response) -> Iterator[str]:
     """The lines of an event stream, split where SSE splits them: at "\n" only (httpx's `iter_lines` also
     splits at U+2028, U+0085 and the like, which a JSON string may carry unescaped in a random model's text)."""

@@ -15,9 +15,7 @@ Every KV block is free and nothing is held afterwards.
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +27,7 @@ from pagedserve.cluster.serve.migration import MigratingClient
 from pagedserve.cluster.serve.pd_client import PDClient
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.local_serving import LocalHandle
+from tests.pd_local import wait_engines_idle
 
 PROMPT = [(17 * k) % 400 + 20 for k in range(30)]
 PARAMS = [
@@ -123,17 +122,7 @@ class PD:
                 state.available = True
 
     def wait_idle(self, timeout_s: float = 30.0) -> list[tuple[int, int, int]]:
-        gc.collect()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            figures = []
-            for engine in self.engines():
-                stats = engine.engine.get_stats().scheduler
-                figures.append((stats.num_free_blocks, stats.num_total_blocks,
-                                int((stats.kv_transfer or {}).get("held_requests", 0))))
-            if all(free == total and held == 0 for free, total, held in figures) or time.monotonic() > deadline:
-                return figures
-            time.sleep(0.05)
+        return wait_engines_idle(self.engines(), timeout_s)
 
     def close(self) -> None:
         asyncio.run(self.client.stop())

@@ -17,7 +17,6 @@ After every test every KV block is free on every replica.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 
 import httpx
@@ -25,7 +24,8 @@ import pytest
 
 from tests.engine_faults import fail_requests, fill_queue, free_queue
 from tests.serve_apps import (
-    assert_same, engine_replicas, on_engine, deploy_config, replica_id, run, serve_app, wait_engines_running,
+    assert_same, engine_replicas, on_engine, deploy_config, replica_id, run, run_in_background, serve_app,
+    wait_engines_running,
 )
 from tests.test_serve_scaleout import metric, metric_samples, wait_all_blocks_free
 
@@ -152,21 +152,7 @@ def test_scale_down_finishes_short_requests_and_migrates_long_ones(app, http):
     wait_all_blocks_free(http, replicas=2)
     migrations = counter(http, "request_migrations_total")
 
-    results: dict[int, dict] = {}
-    progress = [threading.Event() for _ in bodies]
-
-    def one(index: int) -> None:
-        try:
-            results[index] = run(http, bodies[index], progress[index])
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-            results[index] = {"status": None, "errors": [repr(exc)], "choices": {}}
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(bodies))]
-    for thread in threads:
-        thread.start()
-    for index, body in enumerate(bodies):
-        if body["stream"]:
-            assert progress[index].wait(TIMEOUT), f"request {index}: no progress"
+    threads, results = run_in_background(http, bodies, TIMEOUT)
     deploy_config(app, deployments=[{"name": f"{APP}-engine", "num_replicas": 1}])
     # While the removed replica drains, short requests keep coming (and succeed, on the survivor or
     # within the graceful window on the replica being removed).

@@ -8,7 +8,6 @@ the output of an uninterrupted run, none fails, and the migrations are on /metri
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -19,7 +18,9 @@ pytest.importorskip("ray")
 from pagedserve.cluster.executor.ray_utils import free_port  # noqa: E402
 from pagedserve.cluster.settings import ServeArgs  # noqa: E402
 from tests.multinode_cluster import LocalCluster, node_resource  # noqa: E402
-from tests.serve_apps import DEFAULTS, assert_same, deploy_config, run, wait_app_running  # noqa: E402
+from tests.serve_apps import (  # noqa: E402
+    DEFAULTS, assert_same, deploy_config, run, run_in_background, wait_app_running,
+)
 from tests.test_serve_scaleout import metric, metric_samples  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a second raylet, its engine replica and the kill: minutes on two cores
@@ -59,21 +60,7 @@ def test_a_worker_node_lost_under_load_fails_no_request(tiny_model_factory):
         with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=TIMEOUT) as http:
             want = [run(http, body) for body in bodies]
             before = metric(http.get("/metrics").text, "pagedserve:request_migrations_total")
-            results: dict[int, dict] = {}
-            progress = [threading.Event() for _ in bodies]
-
-            def one(index: int) -> None:
-                try:
-                    results[index] = run(http, bodies[index], progress[index])
-                except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-                    results[index] = {"status": None, "errors": [repr(exc)], "choices": {}}
-
-            threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(bodies))]
-            for thread in threads:
-                thread.start()
-            for index, body in enumerate(bodies):
-                if body["stream"]:
-                    assert progress[index].wait(TIMEOUT), f"request {index}: no progress"
+            threads, results = run_in_background(http, bodies, TIMEOUT)
             wait_both_engines_busy(http)
             cluster.kill_worker("w")
             for thread in threads:
