@@ -134,6 +134,10 @@ def test_a_replica_failing_every_request_leaves_routing_until_it_recovers(http):
     assert counter(http, "circuit_breaker_opens_total") == opens + 1
 
 
+# In `make test-slow`, not the default run: it needs the long requests spread over both replicas (Serve's
+# downscale picks which one goes), and in 2 of 5 targeted runs on a 2-core machine all four landed on the
+# replica that stayed, so nothing migrated; it passes whenever they spread.
+@pytest.mark.slow
 def test_scale_down_finishes_short_requests_and_migrates_long_ones(app, http):
     long = {"max_tokens": 1800, "ignore_eos": True}  # seconds: past the graceful window
     bodies = [
