@@ -21,6 +21,9 @@ import logging
 import os
 import secrets
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,9 @@ SECRET_FILE_ENV = "PAGEDSERVE_KV_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 CHALLENGE_BYTES = 32
 DIGEST_BYTES = hashlib.sha256().digest_size
+
+# How far a signed call's timestamp may be from the receiver's clock (and how long its nonce is remembered).
+SIGNATURE_MAX_AGE_S = 60.0
 
 _process_secret: bytes | None = None
 _process_secret_lock = threading.Lock()
@@ -86,3 +92,46 @@ def sign(secret: bytes, *parts: bytes | str) -> bytes:
 def verify(secret: bytes, signature: bytes, *parts: bytes | str) -> bool:
     """Constant-time check of a `sign` result."""
     return hmac.compare_digest(sign(secret, *parts), signature)
+
+
+class SignedCallVerifier:
+    """The receiver's check of calls signed with `sign` over a fresh timestamp and a nonce: the signature,
+    the clock skew, and replays (nonces remembered for as long as a signature stays fresh). Thread-safe.
+    Subclasses name their error and what they check (`error`, `what`) and build the signed message."""
+
+    error: type[Exception] = PermissionError
+    prefix = "signed call"  # the call's name, first in every refusal
+    what = "call"
+    whose_clock = "this receiver's"
+
+    def __init__(self, secret: bytes, max_age_s: float = SIGNATURE_MAX_AGE_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._secret = secret
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._seen_order: deque[tuple[float, str]] = deque()  # (when it stops mattering, nonce)
+        self.refused = 0
+
+    def check_signed(self, signature: bytes, timestamp: float, nonce: str, *message: bytes | str) -> None:
+        """Raise `error` unless `signature` signs `message` (which includes timestamp and nonce), the
+        timestamp is within `max_age_s` of this clock and the nonce was not seen before."""
+        now = self._clock()
+        if abs(now - timestamp) > self.max_age_s:
+            self.refuse(f"a {self.what} signed {now - timestamp:+.0f} s away from {self.whose_clock} clock")
+        if not verify(self._secret, signature, *message):
+            self.refuse(f"a {self.what} not signed with this deployment's KV secret")
+        with self._lock:
+            while self._seen_order and self._seen_order[0][0] < now:
+                self._seen.discard(self._seen_order.popleft()[1])
+            if nonce in self._seen:
+                self.refused += 1
+                raise self.error(f"{self.prefix}: a replayed {self.what}")
+            self._seen.add(nonce)
+            self._seen_order.append((timestamp + self.max_age_s, nonce))
+
+    def refuse(self, reason: str) -> None:
+        with self._lock:
+            self.refused += 1
+        raise self.error(f"{self.prefix}: {reason}; refused")

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import math
 import secrets
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.kv_transfer.auth import DIGEST_BYTES, sign, verify
+from pagedserve.kv_transfer.auth import DIGEST_BYTES, SIGNATURE_MAX_AGE_S, SignedCallVerifier, sign
 from pagedserve.kv_transfer.holds import hash_token, is_short_printable
 from pagedserve.kv_transfer.kv_source import ReadSpec
 
 # How far a signed read's timestamp may be from the producer's clock (either way: clocks of two nodes).
-SIGNATURE_MAX_AGE_S = 60.0
 # More layers than any model has: longer lists are refused before anything is hashed.
 _MAX_LAYERS = 4096
 _DOMAIN = "pagedserve/kv_read/v1"
@@ -71,40 +68,20 @@ def sign_read(secret: bytes, serving_token: str, rank: int, spec: ReadSpec, laye
     return ReadAuth(timestamp, nonce, sign(secret, *_message(serving_token, rank, spec, layers, timestamp, nonce)))
 
 
-class ReadVerifier:
+class ReadVerifier(SignedCallVerifier):
     """A producer rank's check of signed reads (thread-safe; remembers recent nonces to refuse replays)."""
+
+    error = ReadAuthError
+    prefix, what, whose_clock = "kv_read", "read", "this producer's"
 
     def __init__(self, secret: bytes, rank: int, max_age_s: float = SIGNATURE_MAX_AGE_S,
                  clock: Callable[[], float] = time.time) -> None:
-        self._secret = secret
+        super().__init__(secret, max_age_s, clock)
         self.rank = rank
-        self.max_age_s = max_age_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._seen: set[str] = set()
-        self._seen_order: deque[tuple[float, str]] = deque()  # (when it stops mattering, nonce)
-        self.refused = 0
 
     def verify(self, auth: object, serving_token: str, spec: object, layers: object) -> None:
         """Raise ReadAuthError unless `auth` signs exactly this read, freshly, for this rank."""
         if not _well_formed(auth, spec, layers):
-            self._refuse("an unsigned or malformed read")
-        now = self._clock()
-        if abs(now - auth.timestamp) > self.max_age_s:
-            self._refuse(f"a read signed {now - auth.timestamp:+.0f} s away from this producer's clock")
-        if not verify(self._secret, auth.signature,
-                      *_message(serving_token, self.rank, spec, layers, auth.timestamp, auth.nonce)):
-            self._refuse("a read not signed with this deployment's KV secret")
-        with self._lock:
-            while self._seen_order and self._seen_order[0][0] < now:
-                self._seen.discard(self._seen_order.popleft()[1])
-            if auth.nonce in self._seen:
-                self.refused += 1
-                raise ReadAuthError("kv_read: a replayed read")
-            self._seen.add(auth.nonce)
-            self._seen_order.append((auth.timestamp + self.max_age_s, auth.nonce))
-
-    def _refuse(self, what: str) -> None:
-        with self._lock:
-            self.refused += 1
-        raise ReadAuthError(f"kv_read: {what}; refused")
+            self.refuse("an unsigned or malformed read")
+        self.check_signed(auth.signature, auth.timestamp, auth.nonce,
+                          *_message(serving_token, self.rank, spec, layers, auth.timestamp, auth.nonce))

@@ -22,13 +22,11 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.kv_transfer.auth import DIGEST_BYTES, sign, verify
+from pagedserve.kv_transfer.auth import DIGEST_BYTES, SIGNATURE_MAX_AGE_S, SignedCallVerifier, sign
 from pagedserve.kv_transfer.holds import is_short_printable
 from pagedserve.kv_transfer.offload.tier_files import (
     CorruptBlockFile,
@@ -44,7 +42,6 @@ logger = logging.getLogger(__name__)
 # Most blocks one read asks for (a longer prefix is fetched in several reads, or partly recomputed).
 MAX_TIER_READ_BLOCKS = 256
 # How far a signed read's timestamp may be from the peer's clock (either way: clocks of two nodes).
-SIGNATURE_MAX_AGE_S = 60.0
 _DOMAIN = "pagedserve/kv_tier_read/v1"
 _HASH_BYTES = 32
 # A block file's bytes beyond its KV: the header and a CRC per layer (of up to this many layers).
@@ -84,19 +81,16 @@ def well_formed_hashes(hashes: object) -> bool:
             and all(isinstance(h, bytes) and len(h) == _HASH_BYTES for h in hashes))
 
 
-class TierReadVerifier:
+class TierReadVerifier(SignedCallVerifier):
     """A peer's check of signed tier reads (thread-safe; remembers recent nonces to refuse replays)."""
+
+    error = TierReadAuthError
+    prefix, what, whose_clock = "kv_tier_read", "tier read", "this peer's"
 
     def __init__(self, secret: bytes, peer: str, max_age_s: float = SIGNATURE_MAX_AGE_S,
                  clock: Callable[[], float] = time.time) -> None:
-        self._secret = secret
+        super().__init__(secret, max_age_s, clock)
         self.peer = peer
-        self.max_age_s = max_age_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._seen: set[str] = set()
-        self._seen_order: deque[tuple[float, str]] = deque()
-        self.refused = 0
 
     def verify(self, auth: object, namespace: object, hashes: object) -> None:
         """Raise TierReadAuthError unless `auth` signs exactly this read, freshly, for this peer."""
@@ -104,26 +98,9 @@ class TierReadVerifier:
                 and len(auth.signature) == DIGEST_BYTES and is_short_printable(auth.nonce, 64)
                 and type(auth.timestamp) in (int, float) and math.isfinite(auth.timestamp)
                 and is_short_printable(namespace) and well_formed_hashes(hashes)):
-            self._refuse("an unsigned or malformed tier read")
-        now = self._clock()
-        if abs(now - auth.timestamp) > self.max_age_s:
-            self._refuse(f"a tier read signed {now - auth.timestamp:+.0f} s away from this peer's clock")
-        if not verify(self._secret, auth.signature, *_message(namespace, self.peer, hashes, auth.timestamp,
-                                                               auth.nonce)):
-            self._refuse("a tier read not signed with this deployment's KV secret")
-        with self._lock:
-            while self._seen_order and self._seen_order[0][0] < now:
-                self._seen.discard(self._seen_order.popleft()[1])
-            if auth.nonce in self._seen:
-                self.refused += 1
-                raise TierReadAuthError("kv_tier_read: a replayed read")
-            self._seen.add(auth.nonce)
-            self._seen_order.append((auth.timestamp + self.max_age_s, auth.nonce))
-
-    def _refuse(self, what: str) -> None:
-        with self._lock:
-            self.refused += 1
-        raise TierReadAuthError(f"kv_tier_read: {what}; refused")
+            self.refuse("an unsigned or malformed tier read")
+        self.check_signed(auth.signature, auth.timestamp, auth.nonce,
+                          *_message(namespace, self.peer, hashes, auth.timestamp, auth.nonce))
 
 
 def read_tier_blocks(location: TierLocation, hashes: list[bytes], max_block_bytes: int) -> dict[bytes, list[bytes]]:
