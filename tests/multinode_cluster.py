@@ -186,3 +186,31 @@ def local_cluster(head_cpus: float, workers: dict[str, float]) -> Iterator[Local
         yield cluster
     finally:
         cluster.close()
+
+
+@contextmanager
+def in_process_cluster(nodes: dict[str, tuple[float, dict[str, float]]]) -> Iterator[dict[str, str]]:
+    """A Ray cluster of raylets in this process's reach (`ray.cluster_utils.Cluster`): a 1-CPU head and one
+    node per entry (name -> (CPUs, custom resources)), this driver connected with one KV secret for every
+    worker (the engines of one deployment share it: their KV reads are signed with it). Yields name -> node
+    id; shuts Serve, Ray and the cluster down after."""
+    import secrets as token_secrets
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    added = {name: cluster.add_node(num_cpus=cpus, resources=resources) for name, (cpus, resources) in nodes.items()}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env={"env_vars": {"PAGEDSERVE_KV_SECRET": token_secrets.token_hex(32)}})
+    try:
+        yield {name: node.node_id for name, node in added.items()}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()

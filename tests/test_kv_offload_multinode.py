@@ -7,12 +7,11 @@ to an engine without a tier, counted as a remote tier hit, every block of both t
 
 from __future__ import annotations
 
-import os
 import random
-import secrets
 
 import pytest
 
+from tests.multinode_cluster import in_process_cluster
 from tests.serve_apps import on_engine
 
 BS = 4
@@ -22,26 +21,8 @@ PARAMS = dict(max_tokens=6, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes = {name: cluster.add_node(num_cpus=1, resources={f"tier_node_{name}": 1}) for name in ("a", "b")}
-    cluster.wait_for_nodes()
-    # Engines of one deployment share a KV secret: tier reads are signed with it.
-    ray.init(address=cluster.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PAGEDSERVE_KV_SECRET": secrets.token_hex(32)}})
-    try:
-        yield {name: node.node_id for name, node in nodes.items()}
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+    with in_process_cluster({name: (1, {f"tier_node_{name}": 1}) for name in ("a", "b")}) as nodes:
+        yield nodes
 
 
 def _deploy(name: str, model, offload_dir) -> tuple:

@@ -7,13 +7,12 @@ object store). The prefill engine is TP=2: its rank actors, on the prefill node,
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 
 import pytest
 
 from pagedserve.cluster.serve.pd_client import PDClient
 from pagedserve.cluster.serve.pd_pools import PoolSpec, start_pool, wait_pool_ready
+from tests.multinode_cluster import in_process_cluster
 
 PROMPTS = [[(29 * i + 3 * k) % 470 + 20 for k in range(n)] for i, n in enumerate((6, 19, 37))]
 MAX_TOKENS = 6
@@ -22,26 +21,8 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes = {
-        "prefill": cluster.add_node(num_cpus=3, resources={"prefill_node": 3}),
-        "decode": cluster.add_node(num_cpus=2, resources={"decode_node": 2}),
-    }
-    cluster.wait_for_nodes()
-    # The engines of one deployment share a KV secret: the Ray transport's reads are signed with it.
-    ray.init(address=cluster.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PAGEDSERVE_KV_SECRET": secrets.token_hex(32)}})
-    try:
-        yield {role: node.node_id for role, node in nodes.items()}
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with in_process_cluster({"prefill": (3, {"prefill_node": 3}), "decode": (2, {"decode_node": 2})}) as nodes:
+        yield nodes
 
 
 def test_prefill_and_decode_pools_on_different_nodes(cluster, tiny_model_factory):
