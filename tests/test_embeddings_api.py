@@ -144,7 +144,8 @@ def test_a_full_context_input_is_accepted(client, hf_model):
 def test_models_lists_capabilities(http):
     card = http.get("/v1/models").json()["data"][0]
     assert card["id"] == "tiny"
-    assert {"completions", "chat", "embeddings"} <= set(card["capabilities"])
+    assert {"completions", "chat", "embeddings", "tools"} <= set(card["capabilities"])
+    assert "auto_tool_choice" not in card["capabilities"]  # started without --enable-auto-tool-choice
 
 
 def test_embeddings_beside_completions(client, local, hf_model):
@@ -162,3 +163,56 @@ def test_embeddings_beside_completions(client, local, hf_model):
         for future in vectors:
             assert cosine(future.result(timeout=TIMEOUT), reference(hf_model, [5, 6, 7, 8, 9])) > 0.9999
     assert_idle(local)
+
+
+class RecordingClient:
+    """An engine client that records what reaches it (nothing should) and answers nothing."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, sampling_params, priority=0, final_only=False,
+                       cache_salt=None, pooling_params=None):
+        self.requests.append(request_id)
+        return
+        yield
+
+    async def abort(self, request_id):
+        pass
+
+    def aggregate_stats(self):
+        from pagedserve.cluster.engine_stats import EngineStats
+        from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
+
+        return FleetStats(engines=[EngineEntry("0", EngineStats())])
+
+    def is_healthy(self):
+        return True
+
+
+def test_a_lora_adapter_name_is_a_400_not_the_base_models_vector(model, tmp_path):
+    """Embeddings come from the base model: naming an adapter is refused (param "model") rather than answered
+    with the base model's vector, and the adapter's /v1/models card does not claim embeddings."""
+    from starlette.testclient import TestClient
+
+    from pagedserve.cluster.serving.app import build_fastapi_app
+    from pagedserve.cluster.serving.core import OpenAIServing
+    from pagedserve.cluster.settings import ServeArgs
+    from pagedserve.engine.tokenizer import load_tokenizer
+    from tests.lora_adapters import make_adapter
+
+    adapter = make_adapter(model, tmp_path / "a", 2, ["q_proj"], seed=5)
+    args = ServeArgs(model=str(model), served_model_name="tiny", api_key=None, enable_lora=True, max_lora_rank=8,
+                     lora_modules=[f"a={adapter}"])
+    engine = RecordingClient()
+    app = build_fastapi_app(OpenAIServing(engine, load_tokenizer(str(model)), args, max_model_len=MAX_MODEL_LEN))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        response = http.post("/v1/embeddings", json={"model": "a", "input": "hello"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and "base model `tiny`" in error["message"]
+        assert http.post("/v1/embeddings", json={"model": "b", "input": "hello"}).status_code == 404
+        cards = {card["id"]: card["capabilities"] for card in http.get("/v1/models").json()["data"]}
+    assert "embeddings" in cards["tiny"] and "embeddings" not in cards["a"]
+    assert "completions" in cards["a"] and "tools" in cards["a"]
+    assert engine.requests == []

@@ -100,8 +100,17 @@ async def embed_one(serving: OpenAIServing, request_id: str, ids: list[int], par
     return final
 
 
+def check_embedding_model(serving: OpenAIServing, model: str | None) -> None:
+    """Embeddings come from the base model: a LoRA adapter's name is a 400 rather than the base model's
+    vector under the adapter's name (404 for a name nobody serves)."""
+    lora = serving.lora.resolve(model)
+    if lora is not None:
+        raise APIError(400, f"model: embeddings are computed by the base model `{serving.model_name}`; the LoRA "
+                            f"adapter `{lora.lora_name}` serves completions and chat only", param="model")
+
+
 async def create_embedding(serving: OpenAIServing, request: EmbeddingRequest) -> dict:
-    serving.check_model(request.model)
+    check_embedding_model(serving, request.model)
     items = request.inputs()
     limit = serving.args.max_prompts_per_request
     if len(items) > limit:

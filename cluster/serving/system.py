@@ -9,16 +9,24 @@ from pagedserve.cluster.serving.errors import APIError
 from pagedserve.cluster.serving.responses import ModelCard, ModelList
 
 
-# What every served model supports: the decoder generates, and its pooled hidden states are embeddings.
-CAPABILITIES = ("completions", "chat", "embeddings")
+def capabilities(serving: OpenAIServing, adapter: bool) -> list[str]:
+    """What a served model supports: the decoder generates (chat with `tools`: tool_choice "required",
+    named and "none" on any model; "auto" only with --enable-auto-tool-choice), and the base model's pooled
+    hidden states are embeddings (a LoRA adapter's are not served: `embeddings.check_embedding_model`)."""
+    out = ["completions", "chat", "tools"]
+    if serving.args.enable_auto_tool_choice:
+        out.append("auto_tool_choice")
+    if not adapter:
+        out.append("embeddings")
+    return out
 
 
 def list_models(serving: OpenAIServing) -> ModelList:
     """The base model, then each LoRA adapter (`parent`: the base model's id, `root`: the adapter's path)."""
     base = ModelCard(id=serving.model_name, root=serving.args.model, max_model_len=serving.max_model_len,
-                     description=serving.model_description, capabilities=list(CAPABILITIES))
+                     description=serving.model_description, capabilities=capabilities(serving, adapter=False))
     adapters = [ModelCard(id=name, root=lora.lora_path, parent=serving.model_name, max_model_len=serving.max_model_len,
-                          capabilities=list(CAPABILITIES))
+                          capabilities=capabilities(serving, adapter=True))
                 for name, lora in serving.lora.by_name.items()]
     return ModelList(data=[base, *adapters])
 
