@@ -119,15 +119,25 @@ def test_forced_calls_are_schema_valid(client, local, choice, stream):
     _assert_idle(local)
 
 
-def test_stream_adds_up_to_the_whole_answer(client, local):
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11}])
+def test_stream_adds_up_to_the_whole_answer(client, local, parallel, sampling):
+    """Streamed deltas add up byte for byte to the non-streamed answer: content, names, arguments, finish
+    reason, for the single-call object and the parallel list form (seed 11 makes one choice write calls
+    until max_tokens cuts the last one off: that one is content, in both)."""
     kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", n=2, max_tokens=400,
-              temperature=0.0, parallel_tool_calls=False)
+              parallel_tool_calls=parallel, **sampling)
     whole, streamed = _answers(client, False, **kw), _answers(client, True, **kw)
+
+    def strip(answer: dict) -> tuple:
+        return (answer["content"], answer["finish"], [(c["name"], c["arguments"]) for c in answer["calls"]])
+
+    assert sorted(whole) == sorted(streamed) == [0, 1]
     for i in range(2):
-        assert len(whole[i]["calls"]) == 1  # parallel_tool_calls=false: one call object
-        strip = [{k: c[k] for k in ("name", "arguments")} for c in whole[i]["calls"]]
-        assert strip == [{k: c[k] for k in ("name", "arguments")} for c in streamed[i]["calls"]]
-        assert whole[i]["finish"] == streamed[i]["finish"] == "tool_calls"
+        assert strip(whole[i]) == strip(streamed[i]) and streamed[i]["order_ok"]
+        assert whole[i]["calls"], whole[i]
+        if not parallel:
+            assert len(whole[i]["calls"]) == 1  # parallel_tool_calls=false: one call object
     _assert_idle(local)
 
 
@@ -313,3 +323,26 @@ def test_serve_args_tool_flags():
         ServeArgs(model=None, enable_auto_tool_choice=True, tool_call_parser="xml")
     # Accepted as vLLM accepts it, with a warning: without enable_auto_tool_choice the parser is unused.
     assert ServeArgs(model=None, tool_call_parser="hermes").tool_call_parser == "hermes"
+
+
+def test_cli_tool_flags_reach_serve_args(tool_models):
+    from pagedserve.cluster.cli import build_parser, serve_args_from
+
+    ns = build_parser().parse_args(["serve", tool_models["hermes"], "--enable-auto-tool-choice",
+                                    "--tool-call-parser", "mistral"])
+    args = serve_args_from(ns)
+    assert args.enable_auto_tool_choice is True and args.tool_call_parser == "mistral"
+    plain = serve_args_from(build_parser().parse_args(["serve", tool_models["hermes"]]))
+    assert plain.enable_auto_tool_choice is False and plain.tool_call_parser is None
+    with pytest.raises(SystemExit):  # argparse refuses a parser it does not know
+        build_parser().parse_args(["serve", tool_models["hermes"], "--tool-call-parser", "xml"])
+
+
+def test_models_list_tool_capabilities(local, tool_models):
+    """/v1/models: tools (required, named, none) on every server; auto tool choice only where it was enabled."""
+    with local.test_client() as http:
+        card = http.get("/v1/models").json()["data"][0]
+    assert {"chat", "tools", "auto_tool_choice"} <= set(card["capabilities"])
+    _, _, plain = _scripted_client(tool_models["hermes"], ["x"])
+    capabilities = plain.get("/v1/models").json()["data"][0]["capabilities"]
+    assert "tools" in capabilities and "auto_tool_choice" not in capabilities
