@@ -1,6 +1,7 @@
 """Embeddings from tensor- and pipeline-parallel engines (Ray worker groups on a local 4-CPU Ray, gloo):
 the last pipeline stage's driver rank pools the final-norm hidden states (replicated over the TP ranks),
-and the vectors equal HF transformers' as on one rank, chunked and beside generations."""
+and the vectors equal HF transformers' as on one rank, chunked and beside generations. And from two
+data-parallel engine actors behind the coordinator: routed like prompts, prefix affinity included."""
 
 from __future__ import annotations
 
@@ -48,3 +49,65 @@ def test_parallel_embeddings_match_hf(tiny_model_factory, hf_model, tp, pp):
         assert stats.num_free_blocks == stats.num_total_blocks
     finally:
         llm.shutdown()
+
+
+def test_data_parallel_embeddings_spread_and_share_the_prefix_cache(tiny_model_factory, hf_model):
+    """DP=2 engine actors behind the coordinator (what `--data-parallel-size 2` serves): embeddings are routed
+    like prompts, spread over both engines and each HF's vector; one whose prompt a generation just
+    computed goes to that engine (prefix affinity) and reads its cached blocks; every block free after."""
+    import asyncio
+
+    from pagedserve.cluster.serve.coordinator import DPCoordinator
+    from pagedserve.cluster.serve.engine_actor import start_engine_actors, wait_engines_ready
+
+    engine_kwargs = dict(model=str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory="16MiB",
+                         block_size=4, max_model_len=128)
+    prompts = [[(7 * i + 13 * k) % 400 + 10 for k in range(5 + 3 * i)] for i in range(8)]
+    shared = [(11 * k) % 300 + 20 for k in range(16)]  # four full blocks
+    handles = start_engine_actors(engine_kwargs, data_parallel_size=2, name_prefix="test-embed-dp")
+
+    async def embed(coord: DPCoordinator, request_id: str, ids: list[int], pooling: str):
+        outputs = [o async for o in coord.generate(request_id, ids, {}, pooling_params={"pooling_type": pooling})]
+        assert len(outputs) == 1 and outputs[0].finished and outputs[0].error is None
+        return outputs[0]
+
+    def routed(coord: DPCoordinator) -> list[int]:
+        return list(coord.aggregate_stats().num_requests_routed)
+
+    async def run():
+        coord = DPCoordinator(handles, block_size=4, seed=1)
+        try:
+            spread = await asyncio.gather(*[embed(coord, f"emb-{i}", ids, "mean") for i, ids in enumerate(prompts)])
+            counts = [routed(coord)]
+            async for _ in coord.generate("gen", shared + [1, 2], {"temperature": 0, "max_tokens": 2}):
+                pass
+            counts.append(routed(coord))
+            affine = await embed(coord, "emb-shared", shared + [3], "last")
+            counts.append(routed(coord))
+            stats = None
+            for _ in range(200):
+                stats = await coord.refresh_stats()
+                if all(s is not None and s.num_running == 0 and s.num_waiting == 0
+                       and s.num_free_blocks == s.num_total_blocks for s in stats):
+                    break
+                await asyncio.sleep(0.05)
+            return spread, counts, affine, stats
+        finally:
+            await coord.stop()
+
+    try:
+        wait_engines_ready(handles, timeout_s=300)
+        spread, counts, affine, stats = asyncio.run(asyncio.wait_for(run(), 300))
+    finally:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+    for ids, out in zip(prompts, spread):
+        assert out.prompt_token_ids == ids
+        assert cosine(out.outputs.embedding, reference(hf_model, ids, "mean")) > 0.9999
+    assert sum(counts[0]) == len(prompts) and all(n > 0 for n in counts[0])  # both engines embedded
+    generated_on = [b - a for a, b in zip(counts[0], counts[1])].index(1)
+    embedded_on = [b - a for a, b in zip(counts[1], counts[2])].index(1)
+    assert embedded_on == generated_on  # prefix affinity
+    assert affine.num_cached_tokens >= 16  # it read the generation's four full blocks
+    assert cosine(affine.outputs.embedding, reference(hf_model, shared + [3], "last")) > 0.9999
+    assert all(s.num_free_blocks == s.num_total_blocks for s in stats)
