@@ -121,6 +121,35 @@ def test_random_chunking_adds_up_to_the_whole(case, cuts):
     assert _same(_stream(get_tool_parser(parser), pieces)[1], get_tool_parser(parser).extract(text))
 
 
+# Pieces of model output that stress the parsers: whole calls in each format (so that cuts land inside
+# markers and JSON that matter), every marker alone and a prefix of one, JSON punctuation, escapes, text.
+FRAGMENTS = ['<tool_call>\n{"name": "f", "arguments": {"a": [1, {"b": "x\\"}"}]}}\n</tool_call>',
+             '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"c": null}}]',
+             '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+             '{"name": "f", "arguments": {"a": -2.5e3}}', '[{"name": "f", "arguments": {}}]',
+             "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "<tool", "[TOOL", "{", "}", "[", "]",
+             ",", ";", ":", '"', "\\", '"name"', '"arguments"', "true", " ", "\n", "x", "\u00e9"]
+ALL_PARSERS = [get_tool_parser(name) for name in TOOL_PARSERS] + [forced_call_parser(True), forced_call_parser(False)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(fragments=st.lists(st.sampled_from(FRAGMENTS), max_size=30),
+       cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8))
+def test_any_text_parses_without_error_and_chunking_never_changes_the_answer(fragments, cuts):
+    """Whatever the model writes (never a 500): every parsed call's arguments are a JSON object; the
+    whole-output parse and a stream that sends calls only once complete agree whatever the chunking; a
+    stream that sends headers early sends the same however the text is cut."""
+    text = "".join(fragments)
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    for parser in ALL_PARSERS:
+        whole = parser.extract(text)
+        for call in whole.tool_calls:
+            assert isinstance(json.loads(call.arguments), dict)
+        assert _same(_stream(parser, pieces, eager=False)[1], whole)
+        assert _same(_stream(parser, pieces)[1], _stream(parser, [text])[1])
+
+
 def test_deltas_come_as_openai_sends_them():
     """Character by character: the header (id and name) first, before the arguments are complete, then
     the arguments in growing fragments; content never carries a piece of a marker."""
