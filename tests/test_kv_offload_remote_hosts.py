@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagedserve.cluster.serve.engine_host import EngineHost
-from pagedserve.cluster.serve.router import tier_peer
+from pagedserve.cluster.serve.prefix_chooser import tier_peer
 from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.core.block_pool import prompt_block_hashes
