@@ -63,7 +63,7 @@ from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes, short_hash
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
-from pagedserve.cluster.serve.tier_peer import FETCH_FAILURE_REASONS, TierFetcher, TierPeer
+from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer, fetch_failures
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.lora.request import pop_lora_request
@@ -323,13 +323,7 @@ class EngineHost:
             stats.scheduler, engine_index=self.engine_index, replica=self.replica, incarnation=self.incarnation,
             stats_time=now, healthy=stats.healthy, num_unfinished=stats.num_unfinished,
             last_step_age_s=max(0.0, now - stats.last_step_time), num_stream_outputs=self._num_stream_outputs,
-            kv_tier_fetch_failures=self._tier_fetch_failures())
-
-    def _tier_fetch_failures(self) -> dict[str, int]:
-        """Failed fetches from peers' tiers by reason (zeros before the first fetch); {} without a tier."""
-        if self._tier_fetcher is not None:
-            return dict(self._tier_fetcher.stats.failures_by_reason)
-        return dict.fromkeys(FETCH_FAILURE_REASONS, 0) if self.engine.config.kv_offload_size is not None else {}
+            kv_tier_fetch_failures=fetch_failures(self._tier_fetcher, self.engine.config.kv_offload_size is not None))
 
     async def check_health(self) -> None:
         """Serve's health check: raises when the engine loop died or stalls with work waiting."""

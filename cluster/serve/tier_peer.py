@@ -147,3 +147,11 @@ class TierFetcher:
         self.tier.adopt(installed)
         self.stats.fetched_blocks += len(installed)
         return len(installed)
+
+
+def fetch_failures(fetcher: TierFetcher | None, has_tier: bool) -> dict[str, int]:
+    """An engine's failed fetches by reason, as its stats report them: zeros before its first fetch, {}
+    without an offload tier."""
+    if fetcher is not None:
+        return dict(fetcher.stats.failures_by_reason)
+    return dict.fromkeys(FETCH_FAILURE_REASONS, 0) if has_tier else {}
