@@ -44,7 +44,7 @@ that replica, or, when it is gone, to any other, which refuses them at once (`En
 
 The offload tier across nodes: when another replica's offload tier (by this router's index) holds a longer
 run of the prompt's blocks than the chosen replica holds anywhere, the router names it in the `generate`
-call (`kv_tier_peer`: `tier_peer`), the way a PD request names its producer, and the chosen engine fetches
+call (`kv_tier_peer`: `prefix_chooser.tier_peer`), the way a PD request names its producer, and the chosen engine fetches
 the blocks its node lacks from that tier first (cluster/serve/tier_peer.py). `kv_tier_read` is pinned
 like the PD reads.
 
