@@ -93,6 +93,9 @@ class EngineStats(EngineFigures):
     spec_decoding: dict[str, Any] = field(default_factory=dict)
     # Multi-LoRA: adapter loads, evictions, disk reads, requests per name, "resident" adapters; {} without LoRA.
     lora: dict[str, Any] = field(default_factory=dict)
+    # The offload tier across nodes: this engine's failed fetches from peers' tiers by reason
+    # (cluster/serve/tier_peer.FETCH_FAILURE_REASONS, cumulative); {} without an offload tier.
+    kv_tier_fetch_failures: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_scheduler(cls, scheduler: SchedulerStats, **identity: Any) -> EngineStats:

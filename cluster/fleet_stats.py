@@ -163,6 +163,8 @@ class FleetStats(EngineFigures):
     fault_tolerance: dict[str, Any] | None = None  # circuit breaker, migrations, overload retries
     pools: dict[str, FleetStats] | None = None  # PD: each pool's own snapshot
     kv_transfer: dict[str, float] | None = None  # the engines' KV-transfer figures summed; None: no KV connector
+    # The engines' failed fetches from other nodes' offload tiers by reason, summed; None: no offload tier
+    kv_tier_fetch_failures: dict[str, float] | None = None
     pd: dict[str, int] | None = None  # PD: how the client served requests (pd_client.PDCounters)
     stats_age_s: float | None = None  # in-process, latest_stats(): seconds since the last completed poll
 
@@ -189,8 +191,13 @@ class FleetStats(EngineFigures):
         for pool in pools.values():
             for key, value in (pool.kv_transfer or {}).items():
                 kv_transfer[key] = kv_transfer.get(key, 0) + value
+        tier_fetch: dict[str, float] = {}
+        for pool in pools.values():
+            for reason, count in (pool.kv_tier_fetch_failures or {}).items():
+                tier_fetch[reason] = tier_fetch.get(reason, 0) + count
         return cls(**summed, **means, engines=engines, pools=dict(pools), kv_transfer=kv_transfer,
-                   spec_decoding=sum_spec(p.spec_decoding for p in pools.values()), **extras)
+                   spec_decoding=sum_spec(p.spec_decoding for p in pools.values()),
+                   kv_tier_fetch_failures=tier_fetch or None, **extras)
 
 
 class FleetAccumulator:
@@ -201,11 +208,13 @@ class FleetAccumulator:
     def __init__(self, max_members: int = MAX_REMEMBERED_MEMBERS) -> None:
         self.counters = FleetCounters(COUNTER_KEYS, max_members=max_members)
         self.kv_transfer = FleetCounters(gauges=KV_TRANSFER_GAUGES, max_members=max_members)
+        self.tier_fetch_failures = FleetCounters(max_members=max_members)
 
     def observe(self, member: Hashable, stats: EngineStats) -> None:
         """One engine's latest report (its incarnation tells a restart)."""
         self.counters.observe(member, stats.figures("counter"), stats.incarnation, stats.spec_decoding)
         self.kv_transfer.observe(member, stats.kv_transfer, stats.incarnation)
+        self.tier_fetch_failures.observe(member, stats.kv_tier_fetch_failures, stats.incarnation)
 
     def snapshot(self, engines: list[EngineEntry], **extras: Any) -> FleetStats:
         """Counters over every member and incarnation seen, gauges over the reachable engines that reported,
@@ -215,4 +224,4 @@ class FleetAccumulator:
                           num_healthy_engines=sum(e.healthy for e in engines),
                           num_in_flight=sum(e.in_flight for e in engines), engines=engines,
                           spec_decoding=self.counters.spec(), kv_transfer=self.kv_transfer.totals() or None,
-                          **extras)
+                          kv_tier_fetch_failures=self.tier_fetch_failures.totals() or None, **extras)

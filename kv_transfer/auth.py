@@ -6,7 +6,8 @@ the torch_p2p handshake), or by signing a request with a fresh timestamp (the Ra
 
 Where the secret comes from, first match wins:
 
-1. `kv_transfer_config.kv_secret` (the PD app generates one when it starts and hands it to its engines);
+1. `kv_transfer_config.kv_secret` (the PD app generates one when it starts and hands it to its engines;
+   the data-parallel app hands its engine replicas one the same way, as `EngineHost(kv_secret=)`);
 2. the `PAGEDSERVE_KV_SECRET` environment variable (the secret itself);
 3. the `PAGEDSERVE_KV_SECRET_FILE` environment variable (a file holding it; e.g. a mounted Kubernetes Secret);
 4. otherwise a random secret for this process only: engines in one process (the in-process transport,

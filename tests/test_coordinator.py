@@ -34,14 +34,15 @@ def test_least_loaded_engine_wins_with_two_engines():
     assert all(coord.choose_engine(make_prompt(i)) == 1 for i in range(20))
     coord.engines[1].stats = engine_stats(1, running=1, usage=1.0)  # nearly equal counts, but a full KV cache
     coord.engines[0].stats = engine_stats(0, running=2)
-    assert all(coord.choose_engine(make_prompt(i)) == 0 for i in range(20))
+    # (fresh prompts: a choice remembers where its prefix went, as the Serve router's does)
+    assert all(coord.choose_engine(make_prompt(i)) == 0 for i in range(20, 40))
 
 
 def test_prefix_affinity_routes_shared_prefix_to_same_engine():
     coord, _ = make_coordinator(4, seed=3)
     shared = make_prompt(1, length=16)
     first = coord.choose_engine(shared + [9, 9, 9])
-    coord._remember_prefix(shared + [9, 9, 9], first)
+    coord.policy.remember(coord.prefix_hashes(shared + [9, 9, 9]), first)
     # Make the affinity engine somewhat busier than the rest: still within the imbalance bound.
     coord.engines[first].stats = engine_stats(first, running=1)
     for tail in range(10):
@@ -51,17 +52,17 @@ def test_prefix_affinity_routes_shared_prefix_to_same_engine():
 def test_longest_known_prefix_wins():
     coord, _ = make_coordinator(3)
     p = make_prompt(2, length=16)
-    coord._remember_prefix(p[:4], 0)  # one block known on engine 0
-    coord._remember_prefix(p[:12], 2)  # three blocks known on engine 2 (overwrites block 1 -> 2)
-    coord._remember_prefix(p[:4], 0)
-    assert coord._affinity_engine(p, coord._candidates()).index == 2
-    assert coord._affinity_engine(p[:4] + [1, 1, 1, 1], coord._candidates()).index == 0
+    coord.policy.remember(coord.prefix_hashes(p[:4]), 0)  # one block known on engine 0
+    coord.policy.remember(coord.prefix_hashes(p[:12]), 2)  # three blocks known on engine 2 (overwrites block 1 -> 2)
+    coord.policy.remember(coord.prefix_hashes(p[:4]), 0)
+    assert coord.policy.sent_to([0, 1, 2], coord.prefix_hashes(p)) == 2
+    assert coord.policy.sent_to([0, 1, 2], coord.prefix_hashes(p[:4] + [1, 1, 1, 1])) == 0
 
 
 def test_imbalance_overrides_affinity():
     coord, _ = make_coordinator(2, imbalance_factor=2.0)
     p = make_prompt(3)
-    coord._remember_prefix(p, 0)
+    coord.policy.remember(coord.prefix_hashes(p), 0)
     coord.engines[0].stats = engine_stats(0, running=4)  # 4 <= 2 * 1 + 2 (slack): affinity holds
     coord.engines[1].stats = engine_stats(1, running=1)
     assert coord.choose_engine(p) == 0
@@ -78,7 +79,7 @@ def test_short_prompt_has_no_affinity():
 def test_unhealthy_and_dead_engines_are_skipped():
     coord, _ = make_coordinator(3)
     p = make_prompt(4)
-    coord._remember_prefix(p, 0)
+    coord.policy.remember(coord.prefix_hashes(p), 0)
     coord.engines[0].available = False  # dead actor, even though it holds the prefix
     coord.engines[1].stats = engine_stats(1, healthy=False)  # stalled
     coord.engines[2].stats = engine_stats(2, running=50)
@@ -96,8 +97,8 @@ def test_no_healthy_engine_falls_back_to_reachable():
 def test_affinity_map_is_bounded():
     coord, _ = make_coordinator(2, max_affinity_entries=8)
     for i in range(20):
-        coord._remember_prefix(make_prompt(i), i % 2)
-    assert len(coord._affinity) == 8
+        coord.policy.remember(coord.prefix_hashes(make_prompt(i)), i % 2)
+    assert len(coord.policy._affinity) == 8
 
 
 def test_bad_arguments_name_the_field():

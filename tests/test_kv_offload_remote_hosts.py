@@ -4,7 +4,8 @@ router (fake replicas) routes with its KV index, and the peer call (`kv_tier_rea
 Serve in a cluster) is a direct call. A prefix engine A spilled is fetched by engine B when the router
 sends the request to B and names A's tier (`kv_tier_peer`): greedy output equal to an engine without a
 tier, counted as a remote tier hit in the engine's /metrics figures, every block of both tiers accounted
-for; a peer with another secret, a slow peer and a malformed hint cost a bounded wait and a recompute."""
+for; a peer with another secret, a slow peer, a peer that is gone and a malformed hint cost a bounded wait
+and a recompute, and the host's stats count each failure by its reason."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from types import SimpleNamespace
 import pytest
 
 from pagedserve.cluster.serve.engine_host import EngineHost
-from pagedserve.cluster.serve.router import tier_peer
-from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer
+from pagedserve.cluster.serve.prefix_chooser import tier_peer
+from pagedserve.cluster.serve.tier_peer import (
+    FETCH_FAILURE_REASONS, PEER_GONE, REFUSED, TIMEOUT, TierFetcher, TierPeer,
+)
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.core.block_pool import prompt_block_hashes
 from pagedserve.kv_transfer.offload.remote import TierReadAuthError, sign_tier_read
@@ -118,7 +121,7 @@ def test_the_router_names_the_peer_and_the_engine_loads_the_prefix_from_its_tier
     check_all_blocks(_as_llm(a), _as_llm(b))
 
 
-@pytest.mark.parametrize("fault", ["other_secret", "slow_peer", "malformed_hint", "peer_is_self"])
+@pytest.mark.parametrize("fault", ["other_secret", "slow_peer", "peer_gone", "malformed_hint", "peer_is_self"])
 def test_a_failed_fetch_costs_a_bounded_wait_and_a_recompute(nodes, fault):
     a, b, reference = nodes
     rng = random.Random(22)
@@ -129,6 +132,8 @@ def test_a_failed_fetch_costs_a_bounded_wait_and_a_recompute(nodes, fault):
     elif fault == "slow_peer":
         async def call(peer, namespace, hashes, auth):  # noqa: F811 - a peer that never answers in time
             await asyncio.sleep(30)
+    elif fault == "peer_gone":  # the hint names a replica that went away: the pinned call reaches another
+        hint, call = {**hint, "replica": "r2"}, _in_process({"r2": a})
     elif fault == "malformed_hint":
         hint = {"app": "a", "deployment": "e", "replica": 7}
     else:
@@ -146,8 +151,13 @@ def test_a_failed_fetch_costs_a_bounded_wait_and_a_recompute(nodes, fault):
     assert out.outputs[0].token_ids == _reference(reference, prompt)
     assert out.num_cached_tokens == 0 and stats.kv_offload_remote_hit_tokens == 0
     assert b.engine.get_stats().scheduler.kv_offload["remote_fetched_blocks"] == 0
-    failed = fault in ("other_secret", "slow_peer")
-    assert b._tier_fetcher.stats.failures == int(failed) and b._tier_fetcher.stats.fetches == int(failed)
+    reason = {"other_secret": REFUSED, "slow_peer": TIMEOUT, "peer_gone": PEER_GONE}.get(fault)
+    assert b._tier_fetcher.stats.failures == int(reason is not None) == b._tier_fetcher.stats.fetches
+    # The host's stats (what /metrics sums) count it by reason.
+    expected = dict.fromkeys(FETCH_FAILURE_REASONS, 0)
+    if reason is not None:
+        expected[reason] = 1
+    assert stats.kv_tier_fetch_failures == expected
     if fault == "other_secret":
         assert a._tier_verifier.refused == 1
     for host in (a, b):

@@ -1,8 +1,9 @@
 """Exact routing over real engine replicas in one process (the engine deployment's body, its routing
 stats with KV events, the Serve request router), no Ray: with KV demand above one engine's cache and
 evictions happening, requests land where their prefix still is, the engines find the cached tokens the
-router predicted, and the router's index equals every engine's block pool after the workload, a prefix
-cache reset and an engine restart."""
+router predicted (the engines' own prefix-cache hit counters agree), and the router's index equals every
+engine's block pool after the workload, a prefix cache reset and an engine restart; the in-process
+coordinator, which runs the same chooser, predicts as well."""
 
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ def test_exact_routing_predicts_what_the_engines_find_and_the_index_matches_thei
         assert router.prediction_counters.checked == len(results)
         assert router.policy.decisions[EXACT_HIT] >= len(results) // 3  # tenants came back to their prefix
         assert sum(f for _, f in results) > 0
+        # The engines' own prefix-cache hit counters saw what the requests report finding.
+        assert sum(e.engine.get_stats().scheduler.prefix_cache_hits for e in engines) == sum(f for _, f in results)
         logs = [e.engine.engine.engine_core.kv_events for e in engines]
         evictions = [sum(len(ev.block_hashes) for b in log.since(0) for ev in b.events if ev.kind == REMOVED)
                      for log in logs]
@@ -149,6 +152,43 @@ def test_concurrent_requests_are_predicted_too(tiny_llama):
         results = asyncio.run(workload())
         assert sum(p == f for p, f in results) >= 0.95 * len(results), results
         assert router.policy.decisions[EXACT_HIT] >= len(results) // 3
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def test_the_in_process_coordinator_predicts_what_the_engines_find(tiny_llama):
+    """The same workload through `DPCoordinator` (the in-process PD pools' router), which polls the engines'
+    routing stats itself and runs the Serve router's chooser: its predictions match the engines' hits."""
+    from pagedserve.cluster.serve.coordinator import DPCoordinator
+    from tests.local_serving import LocalHandle
+
+    engines = [_engine(tiny_llama), _engine(tiny_llama)]
+    coord = DPCoordinator([LocalHandle(e) for e in engines], block_size=BLOCK, seed=0)
+    rng = random.Random(5)
+    tenants = [([rng.randrange(20, 400) for _ in range(6 * BLOCK)], f"t{i}" if i % 2 else None) for i in range(10)]
+
+    async def workload() -> int:
+        found = 0
+        await coord.refresh_stats()
+        for n in range(60):
+            prefix, salt = tenants[rng.randrange(len(tenants))]
+            prompt = prefix + [rng.randrange(20, 400) for _ in range(rng.randrange(2, 9))]
+            outputs = [o async for o in coord.generate(f"q{n}", prompt, PARAMS, final_only=True, cache_salt=salt)]
+            found += outputs[-1].num_cached_tokens
+            await coord.refresh_stats()
+        return found
+
+    try:
+        found = asyncio.run(workload())
+        counters = coord.chooser.prediction_counters
+        assert counters.checked == 60 and counters.matched >= 0.95 * 60, (counters, coord.policy.decisions)
+        assert counters.actual_tokens == found == sum(e.engine.get_stats().scheduler.prefix_cache_hits
+                                                      for e in engines) > 0
+        assert coord.policy.decisions[EXACT_HIT] >= 20
+        for state, engine in zip(coord.engines, engines):
+            view = coord.chooser.index.views[state.index]
+            assert view.fresh and view.tiers.get(DEVICE, set()) == _pool_keys(engine)
     finally:
         for engine in engines:
             engine.shutdown()

@@ -2,7 +2,9 @@
 
 - `<app>-engine` (`engine_host.EngineHost`): one replica = one headless engine. `num_replicas` is the
   data-parallel size, or `autoscaling_config` (min/max replicas, target ongoing requests, delays)
-  makes it elastic. With TP/PP > 1 its placement group bundles hold the ranks. Requests reach it
+  makes it elastic. Every replica gets the app's KV secret (`pd_pools.deployment_kv_secret`: fresh per
+  app build unless the operator sets PAGEDSERVE_KV_SECRET[_FILE]), which signs the offload tier's reads
+  between replicas on different nodes. With TP/PP > 1 its placement group bundles hold the ranks. Requests reach it
   through the `router.PrefixAffinityRouter` (request_router_config).
 - `<app>-ingress` (`ingress.PagedServeIngress`): stateless; HTTP, auth, validation, tokenization,
   chat templates, SSE. It reaches the engines through a DeploymentHandle (`client.ServeEngineClient`,
@@ -23,6 +25,7 @@ from ray import serve
 
 from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.ingress import PagedServeIngress, connect_engines
+from pagedserve.cluster.serve.pd_pools import deployment_kv_secret
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.settings import ServeArgs
 
@@ -148,8 +151,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         check_engine_placeable(validated, options)
     engine_kwargs = pinned_engine_kwargs(validated.engine_kwargs(),
                                          plan_engine_placement(validated.engine_kwargs(), resources))
+    # One KV secret per app build for every engine replica (unless the operator set PAGEDSERVE_KV_SECRET[_FILE],
+    # which every replica then reads): the offload tier's reads between replicas are signed with it.
     engine = serve.deployment(EngineHost).options(**options).bind(
-        engine_kwargs, max_pending_requests=validated.max_pending_requests)
+        engine_kwargs, max_pending_requests=validated.max_pending_requests, kv_secret=deployment_kv_secret())
     ingress_args = validated.to_dict()
     return PagedServeIngress.options(name=f"{validated.app_name}-ingress",
                                      num_replicas=validated.num_ingress_replicas).bind(ingress_args, connect_engines, engine)

@@ -1,9 +1,15 @@
 """Data-parallel coordinator: routes each request to one of several headless engine actors.
 
 The in-process counterpart of the Serve request router (`serve_router`): it drives engine actors it
-was given (tests, `tests/local_serving.py`, embedding pagedserve in another Ray program). Routing
-(`choose_engine`) is `routing_policy.RoutingPolicy`, the same policy the Serve router runs: power of
-two choices by load, with prefix affinity bounded by an imbalance factor and a KV-usage weight.
+was given (the in-process PD pools, tests, `tests/local_serving.py`, embedding pagedserve in another Ray
+program). Routing (`choose_engine`) is the Serve router's own chooser (`prefix_chooser.PrefixChooser`)
+under the same `routing_policy` (settings.ROUTING_POLICIES, default "exact"): over the engines' routing
+stats (`EngineHost.record_routing_stats`, polled with their load: load figures, the prefixes they served,
+resident LoRA adapters, KV events), with the prompt hashed under the request's cache salt and LoRA
+adapter as the engine hashes it. Engine handles without `record_routing_stats` are polled with
+`get_stats` and routed approximately. Under exact routing each prediction of a request's cached tokens
+is checked against what the engine found (`kv_routing` in the stats). Cross-node tier hints are the
+Serve router's alone (they name a Serve replica): the coordinator predicts what its choice itself holds.
 
 Failure: a dead actor (RayActorError and subclasses) fails only the requests it was serving, with
 `EngineDeadError`; the engine is then skipped by routing until a stats poll (`refresh_stats`) gets an
@@ -17,7 +23,7 @@ Stats for /health and /metrics come from what the background poller last saw, wi
 `latest_stats()`, `aggregate_stats()` and `is_healthy()` never await.
 
 Tuning (all optional keywords): `DPCoordinator(..., kv_weight=4.0,
-stats_timeout_s=5.0, max_affinity_entries=65536)`. `start()` may be called outside a running event
+stats_timeout_s=5.0, max_affinity_entries=65536, routing_policy="exact", offload_weight=0.5)`. `start()` may be called outside a running event
 loop; polling then begins with the first `generate` call. Cumulative counters in
 `aggregate_stats()` stay monotonic across actor restarts (a restarted engine's counters, told apart
 by the "incarnation" in its stats, are added to what it had counted before).
@@ -30,16 +36,20 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
 from pagedserve.cluster.serve.abort_batcher import AbortBatcher
+from pagedserve.cluster.serve.engine_calls import adapter_in, lora_key_in
+from pagedserve.cluster.serve.prefix_chooser import PrefixChooser
 from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.stream_transport import PromptRestorer
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
-from pagedserve.cluster.serve.routing_policy import RoutingParams, RoutingPolicy, engine_load
+from pagedserve.cluster.serve.routing_policy import (
+    DECISIONS, RoutingParams, RoutingPolicy, engine_load, prefix_hashes,
+)
 from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.fleet_stats import EngineEntry, FleetAccumulator, FleetStats
 from pagedserve.engine.core.block_pool import BlockHash
@@ -57,6 +67,7 @@ class EngineState:
     in_flight: int = 0  # requests routed here by this coordinator and not finished
     num_routed: int = 0  # total requests routed here
     stats: EngineStats | None = None  # latest get_stats() answer (None before the first poll)
+    routing_stats: dict[str, Any] | None = None  # latest record_routing_stats() answer (None: none)
 
     @property
     def healthy(self) -> bool:
@@ -87,6 +98,8 @@ class DPCoordinator:
         stats_timeout_s: float = 5.0,
         max_affinity_entries: int = 65536,
         imbalance_slack: float = 2.0,
+        routing_policy: str = "exact",
+        offload_weight: float = 0.5,
     ) -> None:
         if not engines:
             raise ValueError("engines: need at least one engine actor")
@@ -102,8 +115,10 @@ class DPCoordinator:
         self.kv_weight = kv_weight
         self.stats_timeout_s = stats_timeout_s
         self.max_affinity_entries = max_affinity_entries
-        self.policy: RoutingPolicy[int] = RoutingPolicy(
-            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack), seed=seed)
+        self.chooser: PrefixChooser[int] = PrefixChooser(
+            RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack,
+                          offload_weight), routing_policy, seed, tier_peers=False)
+        self.policy: RoutingPolicy[int] = self.chooser.policy
         self._requests: dict[str, int] = {}  # request_id -> engine index, while in flight
         self._want_polling = False
         self._poller: asyncio.Task | None = None
@@ -115,13 +130,10 @@ class DPCoordinator:
 
     # ------------------------------------------------------------------ routing (policy: routing_policy)
 
-    @property
-    def _affinity(self) -> dict:
-        return self.policy._affinity
-
-    def prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[BlockHash]:
-        """Chained hashes of the prompt's first `affinity_blocks` full blocks."""
-        return self.policy.hashes(prompt_token_ids, self.block_size)
+    def prefix_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None,
+                      lora_key: tuple = ()) -> list[BlockHash]:
+        """Chained hashes of the prompt's first `affinity_blocks` full blocks, as the engine hashes them."""
+        return prefix_hashes(prompt_token_ids, self.block_size, self.affinity_blocks, cache_salt, lora_key)
 
     def _candidates(self, exclude: frozenset[int] = frozenset()) -> list[EngineState]:
         engines = [e for e in self.engines if e.index not in exclude]
@@ -132,16 +144,23 @@ class DPCoordinator:
         return reachable or engines  # nothing better: stats may be stale, try (fails fast if dead)
 
     def choose_engine(self, prompt_token_ids: list[int], exclude: frozenset[int] = frozenset(),
-                      request_id: str | None = None) -> int:
-        """Engine index for this prompt: load + prefix affinity + power of two choices, among the engines
-        not in `exclude` (there must be one). With `request_id`, the decision is logged for its trace."""
+                      request_id: str | None = None, cache_salt: str | None = None,
+                      sampling_params: dict | None = None) -> int:
+        """Engine index for this prompt under the routing policy, among the engines not in `exclude` (there
+        must be one); the prompt hashed under `cache_salt` and the LoRA adapter in `sampling_params`. With
+        `request_id`, the decision is logged for its trace (and, exact routing, its cached tokens predicted)."""
         candidates = [e.index for e in self._candidates(exclude)]
 
         def load(i: int) -> float:
             return self.engines[i].load(self.kv_weight)
 
-        index, record = timed_choice(lambda: self.policy.choose(candidates, load, self.prefix_hashes(prompt_token_ids)),
-                                     candidates, load, self.name)
+        def choose() -> tuple[int, str]:
+            choice = self.chooser.choose(
+                candidates, lambda i: self.engines[i].routing_stats, load, prompt_token_ids, self.block_size,
+                cache_salt, request_id, adapter_in(sampling_params), lora_key_in(sampling_params))
+            return choice.key, choice.decision
+
+        index, record = timed_choice(choose, candidates, load, self.name)
         if request_id is not None:
             self.route_log.record(request_id, record)
         return index
@@ -149,13 +168,6 @@ class DPCoordinator:
     def routing_records(self, request_id: str) -> list[dict]:
         """The routing decisions made for `request_id` (taken: asked once, at the request's end)."""
         return [r.as_dict() for r in self.route_log.take(request_id)]
-
-    def _affinity_engine(self, prompt_token_ids: Sequence[int], candidates: list[EngineState]) -> EngineState | None:
-        index = self.policy._affine([e.index for e in candidates], self.prefix_hashes(prompt_token_ids), None)
-        return None if index is None else self.engines[index]
-
-    def _remember_prefix(self, prompt_token_ids: Sequence[int], index: int) -> None:
-        self.policy.remember(self.prefix_hashes(prompt_token_ids), index)
 
     # ------------------------------------------------------------------ requests
 
@@ -184,7 +196,8 @@ class DPCoordinator:
         self._ensure_polling()
         refused: set[int] = set()
         while True:
-            index = self.choose_engine(prompt_token_ids, frozenset(refused), request_id)
+            index = self.choose_engine(prompt_token_ids, frozenset(refused), request_id, cache_salt,
+                                       sampling_params)
             produced = False
             try:
                 # aclosing: an early stop by the consumer closes the engine stream now (abort, bookkeeping).
@@ -207,7 +220,6 @@ class DPCoordinator:
         final_only: bool = False, cache_salt: str | None = None, pooling_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         state = self.engines[index]
-        self._remember_prefix(prompt_token_ids, index)
         state.in_flight += 1
         state.num_routed += 1
         self._requests[request_id] = index
@@ -230,6 +242,8 @@ class DPCoordinator:
             async for ref in stream:
                 output: RequestOutput = restore(await ref)
                 finished = output.finished
+                if finished:  # the routing's predicted cached tokens, checked against the engine's
+                    self.chooser.observe_cached(request_id, getattr(output, "num_cached_tokens", 0) or 0)
                 yield output
                 if finished:
                     return
@@ -285,16 +299,32 @@ class DPCoordinator:
         return answers
 
     async def _poll_one(self, state: EngineState) -> EngineStats | None:
+        routing = None
+        method = self._routing_stats_method(state)
         try:
-            stats = await asyncio.wait_for(state.handle.get_stats.remote(), self.stats_timeout_s)
+            if method is not None:  # the stats and what routing reads, in one call
+                routing = await asyncio.wait_for(method.remote(), self.stats_timeout_s)
+                stats = EngineStats.from_dict(routing)
+            else:
+                stats = await asyncio.wait_for(state.handle.get_stats.remote(), self.stats_timeout_s)
         except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
             self._mark_unavailable(state, exc)
             return None
+        if routing is not None:
+            state.routing_stats = routing
+            self.chooser.sync(state.index, routing)
         if not state.available:
             logger.info("engine %d answers again; routing to it", state.index)
         state.available = True
         self._update_stats(state, stats)
         return stats
+
+    def _routing_stats_method(self, state: EngineState) -> Any:
+        """The handle's `record_routing_stats` where the policy reads it (None: blind policies, or a handle
+        without it)."""
+        if self.chooser.routing_policy in ("random", "power_of_two"):
+            return None
+        return getattr(state.handle, "record_routing_stats", None)
 
     def _update_stats(self, state: EngineState, stats: EngineStats) -> None:
         """Keep the newest answer; a new incarnation (restarted actor) counts from zero on top of the old
@@ -308,7 +338,13 @@ class DPCoordinator:
 
     def aggregate_stats(self) -> FleetStats:
         """Summed counters (monotonic) and gauges over engines, mean KV usage, and one entry per engine."""
-        return self.fleet.snapshot([e.entry() for e in self.engines])
+        kv_routing = None
+        if self.chooser.exact_routing:
+            kv_routing = {**asdict(self.chooser.index.counters), "stale_engines": self.chooser.index.num_stale(),
+                          **asdict(self.chooser.prediction_counters)}
+        decisions = {**dict.fromkeys(DECISIONS, 0), **self.policy.decisions}
+        return self.fleet.snapshot([e.entry() for e in self.engines], routing_decisions=decisions,
+                                   kv_routing=kv_routing)
 
     def latest_stats(self) -> FleetStats:
         """`aggregate_stats()` with `stats_age_s` (seconds since the last completed poll, None before the

@@ -30,32 +30,43 @@ def prompt_of(pending_request: PendingRequest | None) -> Sequence[int] | None:
     return ids if isinstance(ids, (list, tuple)) else None
 
 
-def adapter_of(pending_request: PendingRequest | None) -> str | None:
-    """The LoRA adapter name of an engine `generate(request_id, prompt_token_ids, sampling_params, ...)` call
-    (it rides in the sampling params, see engine.lora.request.SAMPLING_KEY), else None."""
+def _sampling_params_of(pending_request: PendingRequest | None) -> dict | None:
     if pending_request is None or pending_request.metadata.call_method != "generate":
         return None
     args, kwargs = pending_request.args, pending_request.kwargs
     params = args[2] if len(args) > 2 else kwargs.get("sampling_params")
-    lora = params.get(SAMPLING_KEY) if isinstance(params, dict) else None
+    return params if isinstance(params, dict) else None
+
+
+def adapter_in(sampling_params: dict | None) -> str | None:
+    """The LoRA adapter name riding in a `generate` call's sampling params (engine.lora.request.SAMPLING_KEY),
+    else None."""
+    lora = sampling_params.get(SAMPLING_KEY) if isinstance(sampling_params, dict) else None
     return lora.get("lora_name") if isinstance(lora, dict) else None
 
 
-def lora_key_of(pending_request: PendingRequest | None) -> tuple:
-    """The prefix-cache key of the LoRA adapter a `generate` call runs under (`LoRARequest.cache_key`, parsed
-    from its sampling params exactly as the engine host parses it), () for the base model. A malformed
-    adapter gives (): the engine host rejects that request before it reaches a cache."""
-    if pending_request is None or pending_request.metadata.call_method != "generate":
-        return ()
-    args, kwargs = pending_request.args, pending_request.kwargs
-    params = args[2] if len(args) > 2 else kwargs.get("sampling_params")
-    if not isinstance(params, dict):
+def lora_key_in(sampling_params: dict | None) -> tuple:
+    """The prefix-cache key of the LoRA adapter a `generate` call's sampling params name
+    (`LoRARequest.cache_key`, parsed exactly as the engine host parses it), () for the base model. A
+    malformed adapter gives (): the engine host rejects that request before it reaches a cache."""
+    if not isinstance(sampling_params, dict):
         return ()
     try:
-        _, lora = pop_lora_request(params)
+        _, lora = pop_lora_request(sampling_params)
     except (TypeError, ValueError):
         return ()
     return lora.cache_key if lora is not None else ()
+
+
+def adapter_of(pending_request: PendingRequest | None) -> str | None:
+    """The LoRA adapter name of an engine `generate(request_id, prompt_token_ids, sampling_params, ...)` call,
+    else None."""
+    return adapter_in(_sampling_params_of(pending_request))
+
+
+def lora_key_of(pending_request: PendingRequest | None) -> tuple:
+    """`lora_key_in` of an engine `generate` call's sampling params (() for anything else)."""
+    return lora_key_in(_sampling_params_of(pending_request))
 
 
 def request_of(pending_request: PendingRequest | None) -> tuple[str | None, str | None]:

@@ -36,8 +36,8 @@ The offload tier across nodes (cluster/serve/tier_peer.py, kv_transfer/offload/r
 serves blocks of this node's tier to a peer's signed read (pinned to this replica like the PD reads); a
 `generate` call whose router named a peer (`kv_tier_peer`) fetches the prompt's blocks this node's tier
 lacks from that peer first (`kv_tier_fetch`, bounded), then the engine loads them from its own tier. The
-reads are signed with the KV secret (kv_transfer/auth.py): in a data-parallel app set PAGEDSERVE_KV_SECRET
-(or _FILE) for every engine, else each process has its own and every peer read is refused (recomputed).
+reads are signed with the KV secret (kv_transfer/auth.py), in a data-parallel app the one it hands every
+replica (`kv_secret`: generated per app build unless the operator set PAGEDSERVE_KV_SECRET or _FILE).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Any
 
 import ray
 import torch
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from pagedserve.cluster.executor.placement import restrict_to_assigned_gpus, with_engine_kv_share
 from pagedserve.cluster.executor.ray_utils import assigned_cpus, use_reserved_cpus
@@ -63,7 +63,7 @@ from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes, short_hash
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
-from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer
+from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer, fetch_failures
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.lora.request import pop_lora_request
@@ -162,6 +162,7 @@ class EngineHost:
         engine_index: int = 0,
         max_pending_requests: int = 1024,
         stall_timeout_s: float = 120.0,
+        kv_secret: SecretStr | None = None,
     ) -> None:
         restrict_to_assigned_gpus()  # before anything initialises CUDA in this process
         where = _serve_replica()
@@ -184,6 +185,9 @@ class EngineHost:
         # The engine's KV events, riding on the routing stats to every router's index (kv_feed.py).
         self.kv_feed = KVEventFeed(self.engine, self.incarnation)
         # The offload tier across nodes (made on first use): peers' signed reads, this engine's fetches.
+        # The app's KV secret (`app.build_app`: one per app unless the operator set PAGEDSERVE_KV_SECRET[_FILE]),
+        # which signs the tier reads between its replicas; a kv_transfer_config's own kv_secret comes first.
+        self._app_kv_secret = kv_secret
         self._tier_verifier: TierReadVerifier | None = None
         self._tier_fetcher: TierFetcher | None = None
         self._stopped = threading.Event()
@@ -318,7 +322,8 @@ class EngineHost:
         return EngineStats.from_scheduler(
             stats.scheduler, engine_index=self.engine_index, replica=self.replica, incarnation=self.incarnation,
             stats_time=now, healthy=stats.healthy, num_unfinished=stats.num_unfinished,
-            last_step_age_s=max(0.0, now - stats.last_step_time), num_stream_outputs=self._num_stream_outputs)
+            last_step_age_s=max(0.0, now - stats.last_step_time), num_stream_outputs=self._num_stream_outputs,
+            kv_tier_fetch_failures=fetch_failures(self._tier_fetcher, self.engine.config.kv_offload_size is not None))
 
     async def check_health(self) -> None:
         """Serve's health check: raises when the engine loop died or stalls with work waiting."""
@@ -378,11 +383,17 @@ class EngineHost:
     # ------------------------------------------------------------------ the offload tier across nodes
 
     def _kv_secret(self) -> bytes:
+        """The secret this replica's tier reads are signed and checked with: its kv_transfer_config's
+        kv_secret, else the app's (`kv_secret`), else PAGEDSERVE_KV_SECRET[_FILE] or this process's own
+        (kv_transfer/auth.resolve_secret)."""
         from pagedserve.kv_transfer.auth import resolve_secret
         from pagedserve.kv_transfer.config import parse_kv_transfer_config
 
         kv = self.engine.config.kv_transfer_config
-        return parse_kv_transfer_config(kv).secret() if kv else resolve_secret(None)
+        config = parse_kv_transfer_config(kv) if kv else None
+        if config is not None and config.kv_secret is not None:
+            return config.secret()
+        return resolve_secret(self._app_kv_secret.get_secret_value() if self._app_kv_secret is not None else None)
 
     async def kv_tier_read(self, namespace: str, hashes: list[bytes], auth: Any,
                            replica: str | None = None) -> dict[bytes, list[bytes]]:

@@ -27,6 +27,9 @@ less loaded of two random replicas) or "random"; the last two are blind to prefi
 as baselines (`pagedserve bench serve --compare-routing`). Health and the circuit breaker narrow the
 candidates under every policy.
 
+The choice itself is `prefix_chooser.PrefixChooser`, which the in-process coordinator
+(coordinator.DPCoordinator) runs too: one policy, one hashing of a request's prompt (salt, adapter).
+
 Exact routing (routing_policy "exact"): where the replicas publish their KV events with their
 routing stats (kv_feed.py), the router keeps its own index of what each replica's KV tiers hold
 (kv_index.ClusterKVIndex) and scores each candidate by the prompt tokens it holds, device first, then
@@ -41,7 +44,7 @@ that replica, or, when it is gone, to any other, which refuses them at once (`En
 
 The offload tier across nodes: when another replica's offload tier (by this router's index) holds a longer
 run of the prompt's blocks than the chosen replica holds anywhere, the router names it in the `generate`
-call (`kv_tier_peer`: `tier_peer`), the way a PD request names its producer, and the chosen engine fetches
+call (`kv_tier_peer`: `prefix_chooser.tier_peer`), the way a PD request names its producer, and the chosen engine fetches
 the blocks its node lacks from that tier first (cluster/serve/tier_peer.py). `kv_tier_read` is pinned
 like the PD reads.
 
@@ -54,7 +57,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -63,44 +66,18 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pagedserve.cluster.serve.engine_calls import (
     adapter_of, lora_key_of, pinned_replica, prompt_of, request_of,
 )
+from pagedserve.cluster.serve.prefix_chooser import PrefixChooser
 from pagedserve.cluster.serve.circuit_breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, CircuitBreaker
-from pagedserve.cluster.serve.kv_feed import key_of
-from pagedserve.cluster.serve.kv_index import ClusterKVIndex, PredictionCounters, RecentRoutes
 from pagedserve.cluster.serve.route_log import RouteLog, timed_choice
 from pagedserve.cluster.serve.router_registry import register
 from pagedserve.cluster.serve.routing_policy import (
-    Holding, RoutingParams, RoutingPolicy, engine_load, prefer_holders, prefix_hashes, short_hash,
+    RoutingParams, engine_load,
 )
-from pagedserve.cluster.settings import check_routing_policy
-from pagedserve.engine.core.kv_events import DEVICE
 
 logger = logging.getLogger(__name__)
 
 # Requests whose replica the router remembers until their outcome is reported (the oldest forgotten).
 MAX_TRACKED_REQUESTS = 65536
-
-
-MAX_PREDICTIONS = 16384  # predictions awaiting the engine's answer (the oldest are dropped)
-
-
-def tier_peer(index: ClusterKVIndex, choice: Hashable, candidates: Sequence[Hashable], keys: Sequence[bytes],
-              held_blocks: int | None = None) -> tuple[Hashable, int] | None:
-    """(the candidate other than `choice` whose offload tier holds the longest run of the prompt's blocks
-    from its first, that run's length in blocks), when that run is longer than what `choice` holds anywhere
-    (`held_blocks`, else by this router's index); fresh views only; else None. The chosen engine fetches
-    the difference from that replica's tier (cluster/serve/tier_peer.py)."""
-    best, best_n = None, index.held_blocks(choice, keys)[1] if held_blocks is None else held_blocks
-    for rid in candidates:
-        view = index.views.get(rid)
-        if rid == choice or view is None or not view.fresh:
-            continue
-        tiers = [held for tier, held in view.tiers.items() if tier != DEVICE]
-        n = 0
-        while n < len(keys) and any(keys[n] in held for held in tiers):
-            n += 1
-        if n > best_n:
-            best, best_n = rid, n
-    return None if best is None else (best, best_n)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -121,17 +98,15 @@ class PrefixAffinityRouter(RequestRouter):
         silent_after_s: float = 10.0,
         recent_routes_s: float = 5.0,
     ) -> None:
-        self.policy: RoutingPolicy[ReplicaID] = RoutingPolicy(
+        self.chooser: PrefixChooser[ReplicaID] = PrefixChooser(
             RoutingParams(affinity_blocks, imbalance_factor, kv_weight, max_affinity_entries, imbalance_slack,
-                          offload_weight), seed=seed)
-        self.routing_policy = check_routing_policy(routing_policy)
-        self.index = ClusterKVIndex(silent_after_s)
-        self.recent = RecentRoutes(recent_routes_s)
-        self.predictions: OrderedDict[str, int] = OrderedDict()  # request id -> predicted cached tokens
-        self.prediction_counters = PredictionCounters()
+                          offload_weight), routing_policy, seed, silent_after_s, recent_routes_s)
+        # The chooser's state under the names /metrics, tests and the engine client read.
+        self.policy, self.routing_policy = self.chooser.policy, self.chooser.routing_policy
+        self.index, self.recent = self.chooser.index, self.chooser.recent
+        self.predictions, self.prediction_counters = self.chooser.predictions, self.chooser.prediction_counters
         self.in_flight: dict[ReplicaID, int] = {}
         self.num_routed: dict[ReplicaID, int] = {}
-        self._held: dict[ReplicaID, tuple[int, frozenset[str]]] = {}  # replica -> (id(stats list), hashes)
         self.breaker: CircuitBreaker[ReplicaID] = CircuitBreaker(failure_threshold, breaker_cooldown_s)
         self._routed_to: OrderedDict[str, ReplicaID] = OrderedDict()  # internal request id -> replica
         register(self._deployment_id.app_name, self._deployment_id.name, self)
@@ -144,20 +119,12 @@ class PrefixAffinityRouter(RequestRouter):
     @property
     def exact_routing(self) -> bool:
         """Whether this router keeps a KV index and routes on it (the "exact" policy)."""
-        return self.routing_policy == "exact"
+        return self.chooser.exact_routing
 
     def replica_load(self, replica: RunningReplica) -> float:
         cached = self._replica_queue_len_cache.get(replica.replica_id) or 0
         in_flight = max(self.in_flight.get(replica.replica_id, 0), cached)
         return engine_load(in_flight, replica.routing_stats, self.policy.params.kv_weight)
-
-    def _holds(self, replica: RunningReplica) -> frozenset[str]:
-        reported = (replica.routing_stats or {}).get("prefix_hashes") or ()
-        cached = self._held.get(replica.replica_id)
-        if cached is None or cached[0] != id(reported):
-            cached = (id(reported), frozenset(reported))
-            self._held[replica.replica_id] = cached
-        return cached[1]
 
     def choose(self, replicas: Sequence[RunningReplica], prompt: Sequence[int] | None,
                cache_salt: str | None = None, request_id: str | None = None,
@@ -176,38 +143,17 @@ class PrefixAffinityRouter(RequestRouter):
             self.breaker.observe(r.replica_id, r.routing_stats, bool((r.routing_stats or {}).get("healthy", True)))
         healthy = [r for r in replicas if (r.routing_stats or {}).get("healthy", True)] or list(replicas)
         healthy = [r for r in healthy if self.breaker.is_routable(r.replica_id)] or healthy
-        if self.routing_policy in ("random", "power_of_two"):
-            ids = [r.replica_id for r in healthy]
-            if self.routing_policy == "random":
-                choice, decision = self.policy.choose_random(ids)
-            else:
-                choice, decision = self.policy.choose_least_loaded_of_two(ids, lambda rid: self.replica_load(by_id[rid]))
-            self._count_in_ray(decision)
-            return by_id[choice], decision
-        if adapter is not None:
-            healthy = prefer_holders(healthy, self.replica_load,
-                                     lambda r: adapter in ((r.routing_stats or {}).get("lora_adapters") or ()),
-                                     self.policy.params)
         block_size = next((int(r.routing_stats["block_size"]) for r in replicas
                            if (r.routing_stats or {}).get("block_size")), None)
-        if (self.exact_routing and prompt and block_size
-                and any("kv_events" in (r.routing_stats or {}) for r in healthy)):
-            choice, decision = self._choose_exact(healthy, prompt, block_size, cache_salt, request_id, lora_key)
-            return by_id[choice], decision
-        hashes = prefix_hashes(prompt, block_size, self.policy.params.affinity_blocks, cache_salt, lora_key) \
-            if prompt and block_size else []
-
-        def holder(block_hash: bytes) -> ReplicaID | None:
-            short = short_hash(block_hash)
-            holders = [r for r in healthy if short in self._holds(r)]
-            return min(holders, key=self.replica_load).replica_id if holders else None
-
-        choice, decision = self.policy.choose([r.replica_id for r in healthy],
-                                              lambda rid: self.replica_load(by_id[rid]), hashes, holder)
-        self._count_in_ray(decision)
-        if hashes:
-            self.policy.remember(hashes, choice)
-        return by_id[choice], decision
+        choice = self.chooser.choose([r.replica_id for r in healthy], lambda rid: by_id[rid].routing_stats,
+                                     lambda rid: self.replica_load(by_id[rid]), prompt, block_size, cache_salt,
+                                     request_id, adapter, lora_key)
+        self._count_in_ray(choice.decision)
+        if choice.tier_peer is not None:
+            peer = choice.tier_peer[0]
+            self.tier_hint = {"app": peer.deployment_id.app_name, "deployment": peer.deployment_id.name,
+                              "replica": peer.unique_id}
+        return by_id[choice.key], choice.decision
 
     def _count_in_ray(self, decision: str) -> None:
         if self._ray_counter is not None:
@@ -217,63 +163,16 @@ class PrefixAffinityRouter(RequestRouter):
             except Exception:  # noqa: BLE001 - metrics are optional; routing is not
                 self._ray_counter = None
 
-    def _choose_exact(self, healthy: Sequence[RunningReplica], prompt: Sequence[int], block_size: int,
-                      cache_salt: str | None, request_id: str | None,
-                      lora_key: tuple = ()) -> tuple[ReplicaID, str]:
-        now = time.monotonic()
-        for replica in healthy:
-            self.index.update(replica.replica_id, (replica.routing_stats or {}).get("kv_events"), now)
-        # Only blocks the engine can hit: its hit stops short of the prompt's last token.
-        hashes = prefix_hashes(prompt, block_size, (len(prompt) - 1) // block_size, cache_salt, lora_key)
-        keys = [key_of(h) for h in hashes]
-        approx = hashes[:self.policy.params.affinity_blocks]
-        by_id = {r.replica_id: r for r in healthy}
-
-        def holding(rid: ReplicaID) -> Holding:
-            view = self.index.views.get(rid)
-            if view is not None and view.fresh:
-                device, held = self.index.held_blocks(rid, keys)
-                device = max(device, self.recent.held_blocks(rid, keys, now, view.last_report_time))
-                return Holding(device * block_size, (max(held, device) - device) * block_size)
-            reported = self._holds(by_id[rid])
-            n = next((j + 1 for j in range(len(approx) - 1, -1, -1)
-                      if short_hash(approx[j]) in reported or self.policy.remembered(approx[j]) == rid), 0)
-            return Holding(n * block_size, 0, stale=True)
-
-        choice, decision, held = self.policy.choose_by_holdings(
-            list(by_id), lambda rid: self.replica_load(by_id[rid]), holding,
-            last_sent=self.policy.sent_to(list(by_id), approx))
-        self._count_in_ray(decision)
-        predicted = held.device_tokens + held.offload_tokens
-        peer = tier_peer(self.index, choice, list(by_id), keys, predicted // block_size)
-        if peer is not None:  # the engine fetches the peer's run first: it finds that much (if the fetch works)
-            self.tier_hint = {"app": peer[0].deployment_id.app_name, "deployment": peer[0].deployment_id.name,
-                              "replica": peer[0].unique_id}
-            predicted = peer[1] * block_size
-        self.recent.remember(keys, choice, now)
-        self.policy.remember(approx, choice)
-        if request_id is not None:
-            self.predictions[request_id] = predicted
-            while len(self.predictions) > MAX_PREDICTIONS:
-                self.predictions.popitem(last=False)
-        return choice, decision
-
     def _sync_index(self, replicas: Sequence[RunningReplica]) -> None:
         """Apply the KV reports in the replicas' latest routing stats to this router's index (kept under the
         exact policy only)."""
-        if not self.exact_routing:
-            return
         now = time.monotonic()
         for replica in replicas:
-            report = (replica.routing_stats or {}).get("kv_events")
-            if report is not None:
-                self.index.update(replica.replica_id, report, now)
+            self.chooser.sync(replica.replica_id, replica.routing_stats, now)
 
     def observe_cached(self, request_id: str, num_cached_tokens: int) -> None:
         """What the engine really found for a request this router predicted (the engine client calls it)."""
-        predicted = self.predictions.pop(request_id, None)
-        if predicted is not None:
-            self.prediction_counters.observe(predicted, num_cached_tokens)
+        self.chooser.observe_cached(request_id, num_cached_tokens)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -334,22 +233,15 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.policy.forget(replica_id)
-        self._held.pop(replica_id, None)
+        self.chooser.forget(replica_id)
         self.breaker.forget(replica_id)
-        self.index.forget(replica_id)
-        self.recent.forget(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
-        for gone in [rid for rid in self._held if rid not in live]:
-            self._held.pop(gone, None)
-            self.policy.forget(gone)
+        for gone in [rid for rid in self.chooser.known() if rid not in live]:
+            self.chooser.forget(gone)
             self.breaker.forget(gone)
-        for gone in [rid for rid in self.index.views if rid not in live]:
-            self.index.forget(gone)
-            self.recent.forget(gone)
         self._sync_index(replicas)  # every broadcast of the stats: fewer reports missed, fewer resyncs
         for table in (self.in_flight, self.num_routed):
             for gone in [rid for rid in table if rid not in live]:

@@ -1,4 +1,5 @@
-"""The data-parallel routing policy, shared by the Serve request router and the in-process coordinator.
+"""The data-parallel routing policy, shared by the Serve request router and the in-process coordinator
+(both apply it through prefix_chooser.PrefixChooser).
 
 Power of two choices by load, with prefix affinity. A candidate's load is its requests (the larger of
 those in flight from this router and its engine's waiting + running) plus `kv_weight * kv_cache_usage`. Affinity keys are the
@@ -131,11 +132,6 @@ class RoutingPolicy(Generic[K]):
         self._rng = random.Random(seed)
         self._affinity: OrderedDict[BlockHash, K] = OrderedDict()
         self.decisions: dict[str, int] = dict.fromkeys(DECISIONS, 0)
-
-    def hashes(self, prompt_token_ids: Sequence[int], block_size: int | None) -> list[BlockHash]:
-        if not block_size or block_size < 1:
-            return []
-        return prefix_hashes(prompt_token_ids, block_size, self.params.affinity_blocks)
 
     def choose(
         self,

@@ -7,7 +7,9 @@ own node's tier lacks (`EngineHost.kv_tier_read`, a call pinned to the peer repl
 signed with the deployment's KV secret), checks and places what came back in its tier and hands the
 hashes to its scheduler (`adopt`); the engine's lookup then finds them like any tier block and loads
 them layer by layer. Everything here is bounded by `timeout_s`: a peer that is gone, slow, refuses or
-holds nothing costs at most that, and the engine computes what did not arrive.
+holds nothing costs at most that, and the engine computes what did not arrive. Failed fetches are counted
+by reason (`FETCH_FAILURE_REASONS`; the engine host reports them in its stats, /metrics shows
+`pagedserve:kv_offload_remote_fetch_failures_total{reason=...}`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from pagedserve.kv_transfer.holds import is_short_printable
 from pagedserve.kv_transfer.offload.remote import (
     MAX_TIER_READ_BLOCKS,
     TierReadAuth,
+    TierReadAuthError,
     block_file_limit,
     install_tier_blocks,
     sign_tier_read,
@@ -72,11 +77,38 @@ async def serve_tier_read(peer: TierPeer, namespace: str, hashes: list[bytes], a
         raise
 
 
+# Why a fetch failed (the `reason` label of /metrics' kv_offload_remote_fetch_failures):
+TIMEOUT = "timeout"  # no answer within timeout_s
+REFUSED = "refused"  # the peer refused the signed read (another KV secret, a stale or replayed signature)
+PEER_GONE = "peer_gone"  # the peer replica (or its actor) is gone
+ERROR = "error"  # anything else the call raised
+FETCH_FAILURE_REASONS = (TIMEOUT, REFUSED, PEER_GONE, ERROR)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The reason a peer call failed, from its exception (a remote error wrapped by Ray or Serve is an
+    instance of its cause's class too, and names the cause)."""
+    cause = getattr(exc, "cause", None)
+    for candidate in (exc, cause) if isinstance(cause, BaseException) else (exc,):
+        if isinstance(candidate, (asyncio.TimeoutError, TimeoutError)):
+            return TIMEOUT
+        if isinstance(candidate, TierReadAuthError):
+            return REFUSED
+        if isinstance(candidate, (RayActorError, ConnectionError)):
+            return PEER_GONE
+    return ERROR
+
+
 @dataclass
 class TierFetchStats:
     fetches: int = 0  # fetches that asked a peer
     fetched_blocks: int = 0  # blocks placed in this node's tier
     failures: int = 0  # timed out, refused, the peer gone
+    failures_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FETCH_FAILURE_REASONS, 0))
+
+    def failed(self, reason: str) -> None:
+        self.failures += 1
+        self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
 
 
 @dataclass
@@ -105,12 +137,21 @@ class TierFetcher:
         try:
             blocks = await asyncio.wait_for(self.call(peer, namespace, wanted, auth), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - timed out, refused, gone: the engine computes the prefix
-            self.stats.failures += 1
-            logger.warning("KV offload: fetching %d blocks from replica %s's tier failed (they are recomputed): "
-                           "%s: %s", len(wanted), peer.replica, exc.__class__.__name__, exc)
+            reason = failure_reason(exc)
+            self.stats.failed(reason)
+            logger.warning("KV offload: fetching %d blocks from replica %s's tier failed (%s; they are recomputed): "
+                           "%s: %s", len(wanted), peer.replica, reason, exc.__class__.__name__, exc)
             return 0
         installed = await asyncio.to_thread(install_tier_blocks, location, wanted, blocks,
                                             block_file_limit(self.tier.block_bytes))
         self.tier.adopt(installed)
         self.stats.fetched_blocks += len(installed)
         return len(installed)
+
+
+def fetch_failures(fetcher: TierFetcher | None, has_tier: bool) -> dict[str, int]:
+    """An engine's failed fetches by reason, as its stats report them: zeros before its first fetch, {}
+    without an offload tier."""
+    if fetcher is not None:
+        return dict(fetcher.stats.failures_by_reason)
+    return dict.fromkeys(FETCH_FAILURE_REASONS, 0) if has_tier else {}

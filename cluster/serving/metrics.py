@@ -143,6 +143,7 @@ class EngineStatsCollector(Collector):
         yield from self._kv_views(stats.engines)
         yield from self._routing(stats)
         yield from self._disaggregated(stats)
+        yield from self._tier_fetch(stats)
         yield from self._spec_decode(stats)
         yield from self._fault_tolerance(stats)
         yield from self._lora(stats.engines)
@@ -185,6 +186,19 @@ class EngineStatsCollector(Collector):
                                      labels=["model_name", "position"])
         for position, count in enumerate(spec.get("accepted_per_position") or ()):
             family.add_metric([self.model_name, str(position)], float(count))
+        yield family
+
+    def _tier_fetch(self, stats: FleetStats):
+        """The offload tier across nodes: fetches from another node's tier that failed, by reason."""
+        failures = stats.kv_tier_fetch_failures
+        if failures is None:
+            return
+        family = CounterMetricFamily(PREFIX + "kv_offload_remote_fetch_failures", "Fetches of a prompt's KV blocks "
+                                     "from another node's offload tier that failed (the engine recomputed them), "
+                                     "by reason: timeout, refused (KV secret, signature), peer_gone, error.",
+                                     labels=["model_name", "reason"])
+        for reason, count in sorted(failures.items()):
+            family.add_metric([self.model_name, reason], float(count))
         yield family
 
     def _disaggregated(self, stats: FleetStats):
