@@ -1,23 +1,33 @@
 """Per-request tracing (cluster/serving/tracing.py) through the real app over a real engine, with an
 in-memory span exporter: one trace per request whose spans cover the path (ingress, routing, the
 engine's queue, prefill chunks and decode, the output path) with consistent links and times that add
-up; a client's `traceparent` continues its trace; the sample ratio is respected; and with tracing off
-nothing of OpenTelemetry's SDK is imported (and the app runs without OpenTelemetry at all)."""
+up, through the monolithic app and the PD app; a migration or an overload retry (migration.py) is an
+event and a span holding its new routing decision; a client's `traceparent` continues its trace; the
+sample ratio is respected; and with tracing off nothing of OpenTelemetry's SDK is imported (and the
+app runs without OpenTelemetry at all)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import AsyncIterator
 
 import pytest
+from starlette.testclient import TestClient
 
 pytest.importorskip("opentelemetry.sdk")
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
+from pagedserve.cluster.serve.migration import OVERLOAD_BACKOFF_S, MigratingClient  # noqa: E402
+from pagedserve.cluster.serving.app import build_fastapi_app  # noqa: E402
+from pagedserve.cluster.serving.core import OpenAIServing  # noqa: E402
 from pagedserve.cluster.serving.tracing import Tracing  # noqa: E402
+from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError  # noqa: E402
+from pagedserve.engine.outputs import RequestOutput  # noqa: E402
 from tests.local_serving import LocalServer  # noqa: E402
 from tests.pd_local import LocalPD  # noqa: E402
 
@@ -49,6 +59,11 @@ def by_name(spans) -> dict[str, list]:
 
 def seconds(span) -> float:
     return (span.end_time - span.start_time) / 1e9
+
+
+def top_level(spans, root) -> list:
+    return sorted((s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id),
+                  key=lambda s: s.start_time)
 
 
 def check_tree(spans) -> object:
@@ -93,8 +108,7 @@ def test_chat_request_is_one_trace_covering_the_path(server, stream):
         assert route.attributes["pagedserve.route.decision"] == "single"
         assert route.attributes["pagedserve.route.winner"] == "0"
         # The top-level stages follow each other and add up to the request's end-to-end time.
-        top = sorted((s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id),
-                     key=lambda s: s.start_time)
+        top = top_level(spans, root)
         assert [s.name for s in top] == ["ingress", "dispatch", "engine", "output"]
         assert abs(sum(seconds(s) for s in top) - seconds(root)) <= TOLERANCE_S
         engine = names["engine"][0]
@@ -164,9 +178,21 @@ def test_pd_request_is_one_trace_with_both_legs_and_the_kv_transfer(tiny_llama):
             response = client.post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 200
         spans = exporter.get_finished_spans()
-        check_tree(spans)
+        root = check_tree(spans)
         names = by_name(spans)
+        for stage in ("ingress", "auth", "validate", "tokenize", "prepare", "dispatch", "route", "engine", "queue",
+                      "prefill", "kv_transfer", "decode", "output"):
+            assert stage in names, stage
         assert len(names["engine"]) == 2  # the prefill leg, then the decode leg
+        # ingress, then per leg its hand-over and its engine, then the output path: they tile the request.
+        top = top_level(spans, root)
+        assert [s.name for s in top] == ["ingress", "dispatch", "engine", "dispatch", "engine", "output"]
+        assert abs(sum(seconds(s) for s in top) - seconds(root)) <= TOLERANCE_S
+        for engine in names["engine"]:
+            inner = [s for s in spans if s.parent is not None and s.parent.span_id == engine.context.span_id
+                     and s.name in ("queue", "prefill", "decode")]
+            assert abs(sum(seconds(s) for s in inner) - seconds(engine)) <= TOLERANCE_S
+        assert root.attributes["pagedserve.output_tokens"] == 6
         decisions = {s.attributes["pagedserve.route.deployment"] for s in names["route"]}
         assert decisions == {"prefill", "decode"}
         kv = names["kv_transfer"][0]
@@ -174,6 +200,102 @@ def test_pd_request_is_one_trace_with_both_legs_and_the_kv_transfer(tiny_llama):
         assert kv.attributes["pagedserve.kv.bytes"] > 0
         assert kv.attributes["pagedserve.kv.transport"] == "inproc"
         assert kv.attributes["pagedserve.kv.layers"] > 0
+    finally:
+        pd.close()
+
+
+class FailsOnce:
+    """An engine client whose first stream fails: `EngineDeadError` (its replica died) after `after`
+    outputs, or with `refuse` an overload refusal (`EngineOverloadedError`) before the engine took the
+    request. Later streams (the resubmissions) run untouched."""
+
+    def __init__(self, inner, after: int = 0, refuse: bool = False) -> None:
+        self.inner, self.after, self.refuse = inner, after, refuse
+        self.failed = False
+
+    async def generate(self, request_id: str, *args, **kwargs) -> AsyncIterator[RequestOutput]:
+        fail, self.failed = not self.failed, True
+        if fail and self.refuse:
+            raise EngineOverloadedError(f"{request_id}: the engine's queue is full")
+        delivered = 0
+        async with contextlib.aclosing(self.inner.generate(request_id, *args, **kwargs)) as stream:
+            async for output in stream:
+                if fail and delivered >= self.after:
+                    raise EngineDeadError(f"the replica serving {request_id} died")
+                delivered += 1
+                yield output
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def migrating_app(server, inner: FailsOnce) -> tuple[OpenAIServing, TestClient]:
+    serving = OpenAIServing(MigratingClient(inner), server.serving.tokenizer, server.args,
+                            server.serving.max_model_len)
+    return serving, TestClient(build_fastapi_app(serving), raise_server_exceptions=False)
+
+
+def test_a_migration_is_an_event_and_a_span_with_its_new_routing(server):
+    serving, client = migrating_app(server, FailsOnce(server.coordinator, after=2))
+    exporter = traced(serving)
+    with client:
+        response = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert response.status_code == 200 and "error" not in response.text
+    spans = exporter.get_finished_spans()
+    root = check_tree(spans)
+    names = by_name(spans)
+    assert root.attributes["pagedserve.output_tokens"] == 6  # the dead engine's two, then the continuation's
+    (migration,) = names["migration"]
+    assert migration.parent.span_id == root.context.span_id
+    assert migration.attributes["pagedserve.retry.attempt"] == 1
+    assert migration.attributes["pagedserve.retry.reason"] == "EngineDeadError"
+    assert migration.attributes["pagedserve.retry.tokens_delivered"] == 2
+    # The continuation's routing decision sits in the migration span; the first one in the first dispatch.
+    routes = {s.attributes["pagedserve.route.attempt"]: s for s in names["route"]}
+    assert set(routes) == {0, 1}
+    assert routes[1].parent.span_id == migration.context.span_id
+    assert routes[0].parent.span_id == names["dispatch"][0].context.span_id
+    assert len(names["engine"]) == 2  # the engine that died mid-stream, then the one that continued
+    events = [e.name for e in root.events]
+    assert "migration" in events and "first_output" in events
+    (event,) = [e for e in root.events if e.name == "migration"]
+    assert event.attributes["pagedserve.retry.attempt"] == 1
+    assert server.kv_blocks_when_idle()[0] == server.kv_blocks()[1]
+
+
+def test_an_overload_retry_is_an_event_and_a_span_holding_its_backoff(server):
+    serving, client = migrating_app(server, FailsOnce(server.coordinator, refuse=True))
+    exporter = traced(serving)
+    with client:
+        response = client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    spans = exporter.get_finished_spans()
+    root = check_tree(spans)
+    names = by_name(spans)
+    (retry,) = names["overload_retry"]
+    assert retry.attributes["pagedserve.retry.reason"] == "EngineOverloadedError"
+    assert retry.attributes["pagedserve.retry.tokens_delivered"] == 0
+    assert seconds(retry) >= OVERLOAD_BACKOFF_S * 0.99  # it waited out the backoff before resubmitting
+    (rerouted,) = [s for s in names["route"] if s.attributes["pagedserve.route.attempt"] == 1]
+    assert rerouted.parent.span_id == retry.context.span_id
+    assert [e.name for e in root.events if e.name == "overload_retry"] == ["overload_retry"]
+    assert root.attributes["pagedserve.output_tokens"] == 6
+
+
+def test_a_pd_prefill_fallback_is_an_event_on_the_trace(tiny_llama):
+    pd = LocalPD(str(tiny_llama))
+    try:
+        pd.client.prefill = FailsOnce(pd.client.prefill, refuse=True)  # the prefill engine refuses: decode computes it
+        exporter = traced(pd.serving)
+        with pd.test_client() as client:
+            response = client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200
+        spans = exporter.get_finished_spans()
+        root = check_tree(spans)
+        (event,) = [e for e in root.events if e.name == "prefill_fallback"]
+        assert event.attributes["pagedserve.retry.reason"] == "EngineOverloadedError"
+        assert len(by_name(spans)["engine"]) == 1 and "kv_transfer" not in by_name(spans)
+        assert all(free == total and held == 0 for free, total, held in pd.wait_idle())
     finally:
         pd.close()
 

@@ -51,6 +51,7 @@ from typing import Any
 
 from pagedserve.cluster.serve.coordinator import DPCoordinator
 from pagedserve.cluster.fleet_stats import FleetStats
+from pagedserve.cluster.serving.request_stages import record_event
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.engine.outputs import RequestOutput
@@ -185,6 +186,8 @@ class PDClient:
         except (EngineDeadError, EngineOverloadedError) as exc:
             self.counters.prefill_fallbacks += 1
             logger.warning("request %s: prefill failed (%s); computing it on a decode engine", request_id, exc)
+            record_event("prefill_fallback", **{"pagedserve.retry.reason": type(exc).__name__,
+                                                "pagedserve.retry.error": str(exc)[:200]})
             async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output
             return
@@ -244,6 +247,9 @@ class PDClient:
                     self.counters.decode_retries += 1
                     logger.warning("request %s: the decode engine failed before its first output (%s); another "
                                    "decode engine takes the prefill's hold", request_id, exc)
+                    record_event("decode_retry", **{"pagedserve.retry.attempt": attempt + 1,
+                                                    "pagedserve.retry.reason": type(exc).__name__,
+                                                    "pagedserve.retry.error": str(exc)[:200]})
         finally:
             if not released:
                 self._release(remote)
