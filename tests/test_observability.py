@@ -17,6 +17,7 @@ from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.cluster.serving.overhead import STAGES
 from tests.local_serving import LocalServer
 from tests.manifest_checks import MANIFESTS
+from tests.pd_local import LocalPD
 
 DASHBOARD = MANIFESTS / "observability" / "grafana-dashboard.json"
 METRIC = re.compile(r"pagedserve:[A-Za-z0-9_:]+")
@@ -127,6 +128,30 @@ def test_overhead_histograms_agree_with_the_end_to_end_ones(scraped):
     assert value("pagedserve:request_stage_seconds_sum", stage="decode") <= value("pagedserve:e2e_request_latency_seconds_sum")
     assert value("pagedserve:request_stage_seconds_sum", stage="queue") + value(
         "pagedserve:request_stage_seconds_sum", stage="prefill") <= ttft + 1e-3
+
+
+def test_pd_overhead_is_labelled_by_each_legs_pool_and_replica(tiny_llama):
+    """Through the PD app: the prefill leg's stages on the prefill pool, the decode leg's on the decode pool;
+    TTFT split on the prefill pool (its engine made the first token), TPOT split on the decode pool."""
+    pd = LocalPD(str(tiny_llama))
+    try:
+        with pd.test_client() as client:
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+            rows = samples(client.get("/metrics").text)
+    finally:
+        pd.close()
+
+    def pools(name: str, **labels: str) -> set[str]:
+        return {s.labels["deployment"] for s in rows if s.name == name and s.value
+                and labels.items() <= s.labels.items()}
+
+    stage = "pagedserve:request_stage_seconds_count"
+    assert pools(stage, stage="queue") == pools(stage, stage="prefill") == {"prefill", "decode"}
+    assert pools(stage, stage="kv_transfer") == {"decode"}
+    assert pools(stage, stage="ingress") == {"prefill"} and pools(stage, stage="output") == {"decode"}
+    assert pools("pagedserve:time_to_first_token_split_seconds_count") == {"prefill"}
+    assert pools("pagedserve:time_per_output_token_split_seconds_count") == {"decode"}
+    assert {s.labels["replica"] for s in rows if s.name == stage} == {"0"}  # each pool's one engine
 
 
 def test_podmonitor_selects_the_kuberay_pods_on_their_serve_port():

@@ -184,6 +184,8 @@ def test_pd_request_is_one_trace_with_both_legs_and_the_kv_transfer(tiny_llama):
                       "prefill", "kv_transfer", "decode", "output"):
             assert stage in names, stage
         assert len(names["engine"]) == 2  # the prefill leg, then the decode leg
+        assert [e.attributes["pagedserve.deployment"] for e in sorted(names["engine"], key=lambda s: s.start_time)] \
+            == ["prefill", "decode"]
         # ingress, then per leg its hand-over and its engine, then the output path: they tile the request.
         top = top_level(spans, root)
         assert [s.name for s in top] == ["ingress", "dispatch", "engine", "dispatch", "engine", "output"]
@@ -256,6 +258,7 @@ def test_a_migration_is_an_event_and_a_span_with_its_new_routing(server):
     assert routes[1].parent.span_id == migration.context.span_id
     assert routes[0].parent.span_id == names["dispatch"][0].context.span_id
     assert len(names["engine"]) == 2  # the engine that died mid-stream, then the one that continued
+    assert all(e.attributes["pagedserve.replica"] == "0" for e in names["engine"])  # (the server's one engine)
     events = [e.name for e in root.events]
     assert "migration" in events and "first_output" in events
     (event,) = [e for e in root.events if e.name == "migration"]

@@ -82,6 +82,19 @@ class RequestStages:
         return max(0.0, self.marks[end] - self.marks[start])
 
 
+def leg_routes(legs: list[RequestMetrics], routes: list[dict]) -> list[dict]:
+    """The routing decision that sent each engine leg (ordered by arrival) where it went: the last one made
+    before the leg's arrival (PD: the prefill pool's, then the decode pool's; a migration: the first try's,
+    then the resubmission's), else the first ({} when none was recorded). Routes are dated on the ingress's
+    clock, arrivals on the engine's: as exact as the two agree (same node: exactly)."""
+    ordered = sorted(routes, key=lambda r: float(r.get("start", 0.0)))
+    out = []
+    for leg in legs:
+        before = [r for r in ordered if float(r.get("start", 0.0)) <= leg.arrival_time]
+        out.append(before[-1] if before else (ordered[0] if ordered else {}))
+    return out
+
+
 def begin_request(method: str, path: str) -> tuple[RequestStages, Any]:
     """A fresh record for this request's context; returns it and the token for `end_request`."""
     stages = RequestStages(method, path)

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.cluster.serving.request_stages import RequestStages
+from pagedserve.cluster.serving.request_stages import RequestStages, leg_routes
 
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACE_ID_HEADER = "x-trace-id"
@@ -164,7 +164,7 @@ class _Children:
             self.span("prepare", m.get("tokenize_end", auth), dispatched, ctx)
         legs = stages.ordered_legs()
         first_routes = [r for r in stages.routes if not r.get("attempt")]  # a resubmission's are its retry's
-        for index, leg in enumerate(legs):
+        for index, (leg, leg_route) in enumerate(zip(legs, leg_routes(legs, stages.routes))):
             # Handed on to this leg's engine (PD: the decode leg after the prefill leg), its routing inside.
             routes = [r for r in first_routes if r.get("leg", 0) == index][:4]
             # A later leg is handed on once the one before ended (its output back at the ingress, then routed on).
@@ -175,7 +175,7 @@ class _Children:
                 ctx = trace.set_span_in_context(dispatch)
                 for route in routes:
                     self.span("route", route["start"], route["start"] + route["seconds"], ctx, route_attributes(route))
-            self.engine_leg(index, leg, stages.routes)
+            self.engine_leg(index, leg, leg_route)
         self.retries()
         if legs:
             last = legs[-1].last_token_time or legs[-1].finished_time
@@ -197,11 +197,10 @@ class _Children:
             for route in routes:
                 self.span("route", route["start"], route["start"] + route["seconds"], ctx, route_attributes(route))
 
-    def engine_leg(self, index: int, leg: Any, routes: list[dict]) -> None:
+    def engine_leg(self, index: int, leg: Any, route: dict) -> None:
         from opentelemetry import trace
 
         end = leg.finished_time or leg.last_token_time
-        route = next((r for r in routes if r.get("leg", 0) == index), {})
         engine = self.span("engine", leg.arrival_time, end, None, {
             "pagedserve.leg": index, "pagedserve.deployment": str(route.get("deployment", "")),
             "pagedserve.replica": str(route.get("winner", "")), "pagedserve.cached_tokens": leg.num_cached_tokens,
