@@ -9,10 +9,13 @@ app runs without OpenTelemetry at all)."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,6 +25,7 @@ pytest.importorskip("opentelemetry.sdk")
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
+from pagedserve.cluster.cli import build_parser, serve_args_from  # noqa: E402
 from pagedserve.cluster.serve.migration import OVERLOAD_BACKOFF_S, MigratingClient  # noqa: E402
 from pagedserve.cluster.serving.app import build_fastapi_app  # noqa: E402
 from pagedserve.cluster.serving.core import OpenAIServing  # noqa: E402
@@ -303,6 +307,107 @@ def test_a_pd_prefill_fallback_is_an_event_on_the_trace(tiny_llama):
         pd.close()
 
 
+class Collector:
+    """An OTLP/HTTP trace collector on loopback: keeps each export's spans (decoded protobuf)."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        exports: list = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                exports.append((self.path, ExportTraceServiceRequest.FromString(body)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.exports = exports
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def spans(self) -> list[tuple[str, str, str, str]]:
+        """(url path, service.name, trace id, span name) of every span received."""
+        out = []
+        for path, export in self.exports:
+            for resource_spans in export.resource_spans:
+                service = next(a.value.string_value for a in resource_spans.resource.attributes
+                               if a.key == "service.name")
+                for scope in resource_spans.scope_spans:
+                    out += [(path, service, s.trace_id.hex(), s.name) for s in scope.spans]
+        return out
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def collector():
+    c = Collector()
+    yield c
+    c.close()
+
+
+def serving_from_cli(server, *flags: str) -> OpenAIServing:
+    ns = build_parser().parse_args(["serve", server.args.model, "--served-model-name", "tiny", *flags])
+    return OpenAIServing(server.coordinator, server.serving.tokenizer, serve_args_from(ns), server.serving.max_model_len)
+
+
+def chat_once(serving: OpenAIServing) -> str:
+    with TestClient(build_fastapi_app(serving), raise_server_exceptions=False) as client:
+        response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert response.status_code == 200
+    return response.headers["x-trace-id"]
+
+
+def test_otlp_traces_endpoint_exports_each_request_over_otlp_http(server, collector, monkeypatch):
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER_ARG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "pagedserve-test")
+    serving = serving_from_cli(server, "--otlp-traces-endpoint", collector.url + "/v1/traces",
+                               "--trace-sample-ratio", "1")
+    assert serving.args.trace_sample_ratio == 1.0
+    trace_id = chat_once(serving)
+    serving.tracing.shutdown()  # flushes the batch exporter
+    spans = collector.spans()
+    assert {(path, service, tid) for path, service, tid, _ in spans} == {("/v1/traces", "pagedserve-test", trace_id)}
+    assert {"POST /v1/chat/completions", "ingress", "route", "engine", "prefill", "decode"} <= {s[3] for s in spans}
+
+
+def test_otel_environment_turns_tracing_on_samples_and_off(server, collector, monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)  # the base URL: the exporter adds /v1/traces
+    serving = serving_from_cli(server)
+    assert serving.tracing is not None
+    trace_id = chat_once(serving)
+    serving.tracing.shutdown()
+    assert {(path, service, tid) for path, service, tid, _ in collector.spans()} == {("/v1/traces", "pagedserve", trace_id)}
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # the ratio's default: nothing sampled
+    collector.exports.clear()
+    serving = serving_from_cli(server)
+    chat_once(serving)
+    serving.tracing.shutdown()
+    assert collector.spans() == []
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert serving_from_cli(server, "--otlp-traces-endpoint", collector.url + "/v1/traces").tracing is None
+
+
+def test_trace_sample_ratio_out_of_range_names_the_flag(server, capsys):
+    with pytest.raises(SystemExit):
+        serving_from_cli(server, "--trace-sample-ratio", "1.5")
+    assert "--trace-sample-ratio: " in capsys.readouterr().err
+
+
 def run_isolated(code: str) -> dict:
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -323,6 +428,8 @@ def test_tracing_off_imports_no_opentelemetry(tiny_llama):
                     if name.startswith(("opentelemetry.sdk", "opentelemetry.exporter")):
                         raise ImportError("blocked: " + name)
             sys.meta_path.insert(0, Block())
+        import fastapi, starlette.testclient  # FastAPI's own import of the API package, not ours
+        base = {{m for m in sys.modules if m.startswith("opentelemetry")}}
         import pagedserve.engine.async_llm, pagedserve.cluster.serve.client, pagedserve.cluster.serve.pd_client
         from starlette.testclient import TestClient
         from pagedserve.cluster.serving.app import build_fastapi_app
@@ -338,11 +445,25 @@ def test_tracing_off_imports_no_opentelemetry(tiny_llama):
             metrics = client.get("/metrics").text
         print(json.dumps({{"status": r.status_code, "trace_header": "x-trace-id" in r.headers,
                           "stages": "pagedserve:request_stage_seconds_count" in metrics,
-                          "loaded": sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter")))}}))
+                          "loaded": sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter"))),
+                          "added": sorted(m for m in sys.modules if m.startswith("opentelemetry") and m not in base)}}))
     """
     for block in (False, True):
         out = run_isolated(code.replace("{block}", str(block)))
-        assert out == {"status": 200, "trace_header": False, "stages": True, "loaded": []}
+        assert out == {"status": 200, "trace_header": False, "stages": True, "loaded": [], "added": []}
+
+
+def test_the_otel_extra_installs_what_tracing_imports():
+    """`pip install pagedserve[otel]` brings the API, the SDK and the OTLP/HTTP exporter Tracing imports."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extra = {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0] for requirement in project["optional-dependencies"]["otel"]}
+    assert extra == {"opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"}
+    assert not any(r.startswith("opentelemetry") for r in project["dependencies"])  # optional, never required
+    source = (Path(__file__).parents[1] / "cluster" / "serving" / "tracing.py").read_text()
+    assert "opentelemetry.exporter.otlp.proto.http" in source and "opentelemetry.sdk.trace" in source
 
 
 def test_endpoint_without_opentelemetry_is_a_clear_error(monkeypatch):
