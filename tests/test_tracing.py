@@ -383,6 +383,16 @@ def test_otlp_traces_endpoint_exports_each_request_over_otlp_http(server, collec
     assert {"POST /v1/chat/completions", "ingress", "route", "engine", "prefill", "decode"} <= {s[3] for s in spans}
 
 
+def test_the_app_flushes_batched_spans_as_it_stops(server, collector, monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # the batch would wait ten minutes: only a flush sends it
+    serving = serving_from_cli(server, "--otlp-traces-endpoint", collector.url + "/v1/traces")
+    try:
+        trace_id = chat_once(serving)  # the TestClient's exit runs the app's shutdown
+        assert {tid for _, _, tid, _ in collector.spans()} == {trace_id}
+    finally:
+        serving.tracing.shutdown()
+
+
 def test_otel_environment_turns_tracing_on_samples_and_off(server, collector, monkeypatch):
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)

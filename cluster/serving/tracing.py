@@ -92,6 +92,10 @@ class Tracing:
             return None
         return cls(endpoint, getattr(args, "trace_sample_ratio", None))
 
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Export what is batched now (the app calls it as it stops); False if that timed out."""
+        return self.provider.force_flush(timeout_millis=int(timeout_s * 1000))
+
     def shutdown(self) -> None:
         self.provider.shutdown()
 
