@@ -88,6 +88,10 @@ def test_dashboard_is_valid_grafana_json():
                   "queue depth", "kv cache usage per replica", "prefix-cache hit rate", "routing decisions",
                   "kv transfer", "replicas", "speculative decoding", "errors by http status"):
         assert topic in titles, topic
+    # TTFT, TPOT and inter-token latency as percentiles, each from its own histogram.
+    for family in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds"):
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"] if f"pagedserve:{family}_bucket" in t["expr"]]
+        assert {re.match(r"histogram_quantile\(([0-9.]+),", e).group(1) for e in exprs} == {"0.5", "0.9", "0.99"}, family
 
 
 def test_every_dashboard_metric_exists(scraped):
@@ -123,8 +127,12 @@ def test_overhead_histograms_agree_with_the_end_to_end_ones(scraped):
     ttft = value("pagedserve:time_to_first_token_seconds_sum")
     split = value("pagedserve:time_to_first_token_split_seconds_sum")
     assert split == pytest.approx(ttft, rel=1e-6, abs=1e-9)
-    # Each request made 5 tokens: one TPOT observation per part; the engine's decode is within the e2e time.
+    # Each request made 5 tokens: one TPOT observation per part, which add up to the request's TPOT;
+    # the engine's decode is within the e2e time.
     assert value("pagedserve:time_per_output_token_split_seconds_count", part="model") == finished
+    assert value("pagedserve:time_per_output_token_seconds_count") == finished
+    assert value("pagedserve:time_per_output_token_split_seconds_sum") == pytest.approx(
+        value("pagedserve:time_per_output_token_seconds_sum"), rel=1e-6, abs=1e-9)
     assert value("pagedserve:request_stage_seconds_sum", stage="decode") <= value("pagedserve:e2e_request_latency_seconds_sum")
     assert value("pagedserve:request_stage_seconds_sum", stage="queue") + value(
         "pagedserve:request_stage_seconds_sum", stage="prefill") <= ttft + 1e-3

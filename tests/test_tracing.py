@@ -32,7 +32,7 @@ from pagedserve.cluster.serving.core import OpenAIServing  # noqa: E402
 from pagedserve.cluster.serving.tracing import Tracing  # noqa: E402
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError  # noqa: E402
 from pagedserve.engine.outputs import RequestOutput  # noqa: E402
-from tests.local_serving import LocalServer  # noqa: E402
+from tests.local_serving import LocalServer, ScriptedCoordinator  # noqa: E402
 from tests.pd_local import LocalPD  # noqa: E402
 
 CHAT = {"messages": [{"role": "user", "content": "Say something long enough to chunk."}], "max_tokens": 6,
@@ -151,6 +151,20 @@ def test_trace_id_is_in_error_bodies(server):
         assert error["request_id"] == response.headers["x-request-id"]
     finally:
         server.serving.tracing = None
+
+
+def test_trace_id_is_in_an_error_event_of_a_started_stream(server):
+    """An engine failure after the first token: the SSE error event names the trace beside the request."""
+    serving = OpenAIServing(ScriptedCoordinator(tokens=2, error=EngineDeadError("the replica died")),
+                            server.serving.tokenizer, server.args, server.serving.max_model_len)
+    traced(serving)
+    with TestClient(build_fastapi_app(serving), raise_server_exceptions=False) as client:
+        response = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert response.status_code == 200  # the status line left with the first token
+    (error,) = [json.loads(line[len("data: "):])["error"] for line in response.text.splitlines()
+                if line.startswith("data: {") and '"error"' in line]
+    assert error["trace_id"] == response.headers["x-trace-id"]
+    assert error["request_id"] == response.headers["x-request-id"]
 
 
 def test_sample_ratio_is_respected(server):
