@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.cluster.serving.overhead import STAGES
+
 STAGE = "pagedserve:request_stage_seconds"
 TTFT_SPLIT = "pagedserve:time_to_first_token_split_seconds"
 TPOT_SPLIT = "pagedserve:time_per_output_token_split_seconds"
@@ -94,6 +96,8 @@ def overhead_table(runs: list[dict[str, Any]]) -> str:
             if s:
                 parts.append(f"{label} {s['model'] + s['framework']:.2f} ms = model {s['model']:.2f} + framework "
                              f"{s['framework']:.2f} ({s['framework_share']:.0%})")
-        stages = ", ".join(f"{k} {v:.2f}" for k, v in split["stage_ms"].items())
+        order = {stage: i for i, stage in enumerate(STAGES)}  # the request's path, whatever the scrape's order
+        ordered = sorted(split["stage_ms"].items(), key=lambda item: order.get(item[0], len(order)))
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in ordered)
         lines.append(f"{run['name']}: " + "; ".join(parts) + f"\n  mean ms per request by stage: {stages}")
     return "overhead split (server's /metrics):\n" + "\n".join(lines) if lines else ""

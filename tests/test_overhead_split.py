@@ -93,3 +93,6 @@ def test_bench_split_is_per_request_when_a_request_has_two_legs():
     assert split["stage_ms"]["prefill"] == pytest.approx(35.0)
     assert split["stage_ms"]["ingress"] == pytest.approx(980.0)
     assert split["stage_ms"]["output"] == pytest.approx(100.0)
+    table = overhead_table([{"name": "pd", "overhead": split}])
+    assert "by stage: ingress 980.00, router 2.00, dispatch 20.00, queue 15.00, prefill 35.00, decode 40.00, " \
+           "output 100.00" in table  # in the order of the request's path
