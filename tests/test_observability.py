@@ -1,7 +1,9 @@
 """Observability shipped and checked: the Grafana dashboard (manifests/observability/) is valid and every
-metric its queries read exists in a live /metrics scrape of the app (or, for the figures only some shapes
-report, in what the metrics code emits for those shapes); the scrape configs point at what the KubeRay
-manifests run; and the overhead histograms (cluster/serving/overhead.py) agree with the end-to-end ones."""
+metric its queries read exists in a live /metrics scrape of the app, the PD / KV-transfer / speculative
+decoding ones in a live scrape of the PD app with a speculating decode engine (only the Serve router's
+decision counts, which need Ray Serve, are checked in what the metrics code emits for that shape); the
+scrape configs point at what the KubeRay manifests run; and the overhead histograms
+(cluster/serving/overhead.py) agree with the end-to-end ones and carry each engine leg's pool and replica."""
 
 from __future__ import annotations
 
@@ -138,16 +140,35 @@ def test_overhead_histograms_agree_with_the_end_to_end_ones(scraped):
         "pagedserve:request_stage_seconds_sum", stage="prefill") <= ttft + 1e-3
 
 
-def test_pd_overhead_is_labelled_by_each_legs_pool_and_replica(tiny_llama):
-    """Through the PD app: the prefill leg's stages on the prefill pool, the decode leg's on the decode pool;
-    TTFT split on the prefill pool (its engine made the first token), TPOT split on the decode pool."""
-    pd = LocalPD(str(tiny_llama))
+@pytest.fixture(scope="module")
+def pd_scraped(tiny_llama):
+    """/metrics of the PD app (its decode engine speculating with n-grams) after a chat request."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    pd = LocalPD(str(tiny_llama), decode_kwargs={"speculative_config": ngram})
     try:
         with pd.test_client() as client:
             assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
-            rows = samples(client.get("/metrics").text)
+            pd.wait_idle()
+            yield client.get("/metrics").text
     finally:
         pd.close()
+
+
+def test_the_shape_metrics_are_in_a_live_pd_scrape(pd_scraped):
+    """The PD, KV-transfer and speculative-decoding panels read what a live PD app (with a speculating
+    decode engine) reports; only the Serve router's decision counts are left to the rendered shape."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    wanted = {n for n in dashboard_metrics(dashboard) if n.startswith(SHAPE_PREFIXES)}
+    missing = wanted - sample_names(pd_scraped)
+    assert missing <= {"pagedserve:routing_decisions_total"}, missing
+    assert {"pagedserve:kv_transfer_bytes_total", "pagedserve:pool_num_engines",
+            "pagedserve:spec_decode_num_draft_tokens_total"} <= wanted - missing
+
+
+def test_pd_overhead_is_labelled_by_each_legs_pool_and_replica(pd_scraped):
+    """Through the PD app: the prefill leg's stages on the prefill pool, the decode leg's on the decode pool;
+    TTFT split on the prefill pool (its engine made the first token), TPOT split on the decode pool."""
+    rows = samples(pd_scraped)
 
     def pools(name: str, **labels: str) -> set[str]:
         return {s.labels["deployment"] for s in rows if s.name == name and s.value
