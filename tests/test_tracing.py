@@ -122,6 +122,24 @@ def test_chat_request_is_one_trace_covering_the_path(server, stream):
         server.serving.tracing = None
 
 
+def test_a_batch_of_prompts_is_one_trace_with_an_engine_leg_each(server):
+    exporter = traced(server.serving)
+    try:
+        with server.test_client() as client:
+            response = client.post("/v1/completions", json={"prompt": ["One prompt here.", "And a second one."],
+                                                            "max_tokens": 3, "ignore_eos": True, "temperature": 0})
+        assert response.status_code == 200
+        spans = exporter.get_finished_spans()
+        root = check_tree(spans)
+        names = by_name(spans)
+        assert len(names["engine"]) == len(names["dispatch"]) == len(names["route"]) == 2
+        dispatches = {s.context.span_id for s in names["dispatch"]}
+        assert all(r.parent.span_id in dispatches for r in names["route"])
+        assert root.attributes["pagedserve.output_tokens"] == 6
+    finally:
+        server.serving.tracing = None
+
+
 def test_traceparent_continues_the_clients_trace(server):
     exporter = traced(server.serving)
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"

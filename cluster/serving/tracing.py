@@ -167,13 +167,21 @@ class _Children:
                       {"pagedserve.prompt_tokens": stages.num_prompt_tokens})
             self.span("prepare", m.get("tokenize_end", auth), dispatched, ctx)
         legs = stages.ordered_legs()
-        first_routes = [r for r in stages.routes if not r.get("attempt")]  # a resubmission's are its retry's
+        # Each routing decision under the hand-over of the first leg to arrive after it (PD: the prefill's,
+        # then the decode's); a resubmission's sit in its retry span instead.
+        by_leg: dict[int, list[dict]] = {}
+        for route in sorted((r for r in stages.routes if not r.get("attempt")), key=lambda r: r["start"]):
+            index = next((i for i, leg in enumerate(legs) if leg.arrival_time >= route["start"]), len(legs) - 1)
+            by_leg.setdefault(index, []).append(route)
         for index, (leg, leg_route) in enumerate(zip(legs, leg_routes(legs, stages.routes))):
             # Handed on to this leg's engine (PD: the decode leg after the prefill leg), its routing inside.
-            routes = [r for r in first_routes if r.get("leg", 0) == index][:4]
-            # A later leg is handed on once the one before ended (its output back at the ingress, then routed on).
+            routes = by_leg.get(index, [])[:4]
+            # A later leg is handed on once the one before ended (its output back at the ingress, then routed
+            # on); legs that ran side by side (a batch of prompts) start their hand-over at their arrival.
             previous = (legs[index - 1].finished_time or legs[index - 1].last_token_time) if index else None
-            start = dispatched if index == 0 else min([r["start"] for r in routes] + [previous or leg.arrival_time])
+            handed = leg.arrival_time if previous is None else min(previous, leg.arrival_time)
+            base = dispatched if index == 0 else handed
+            start = min([r["start"] for r in routes] + ([] if base is None else [base]), default=None)
             dispatch = self.span("dispatch", start, leg.arrival_time, None, {"pagedserve.leg": index})
             if dispatch is not None:
                 ctx = trace.set_span_in_context(dispatch)
