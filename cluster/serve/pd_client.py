@@ -270,10 +270,9 @@ class PDClient:
             logger.debug("release of %s failed: %s", remote.get("remote_request_id"), exc)
 
     def routing_records(self, request_id: str) -> list[dict]:
-        """Both legs' routing decisions for `request_id` (for its trace), each with its leg: 0 the first
-        engine to serve it (the prefill, unless the request went to a decode engine alone), 1 the decode."""
-        prefill = [{**r, "leg": 0} for r in self.prefill.routing_records(request_id)]
-        return prefill + [{**r, "leg": 1 if prefill else 0} for r in self.decode.routing_records(request_id)]
+        """Both pools' routing decisions for `request_id` (for its trace and overhead labels; taken): the
+        trace places each before the engine leg that arrived after it."""
+        return self.prefill.routing_records(request_id) + self.decode.routing_records(request_id)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(self.prefill.abort(request_id), self.decode.abort(request_id))
