@@ -81,6 +81,11 @@ def test_each_engine_leg_is_labelled_with_its_own_deployment_and_replica():
     # TTFT's model part is the prefill replica's work; TPOT's the decode replica's.
     assert where("pagedserve:time_to_first_token_split_seconds_count") == {("prefill", "p0")}
     assert where("pagedserve:time_per_output_token_split_seconds_count") == {("decode", "d1")}
+    # TPOT's model part is the engines' time after the first token: the decode leg's queue and prefill (its
+    # KV pull and continuation step, 10 ms) and its decode (40 ms), over 4 tokens; here all the client saw.
+    sums = {s.labels["part"]: s.value for f in metrics.registry.collect() for s in f.samples
+            if s.name == "pagedserve:time_per_output_token_split_seconds_sum"}
+    assert sums["model"] == pytest.approx(0.0125) and sums["framework"] == pytest.approx(0.0)
 
 
 def test_bench_split_is_per_request_when_a_request_has_two_legs():

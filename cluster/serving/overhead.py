@@ -70,7 +70,10 @@ class OverheadMetrics:
             self.ttft.labels(*first, "model").observe(min(model, ttft_s))
             self.ttft.labels(*first, "framework").observe(max(0.0, ttft_s - model))
         if client_decode_s is not None and num_tokens > 1 and "decode" in seconds:
-            model = seconds["decode"] / (num_tokens - 1)
+            # The engines' own time after the first token: every leg's decode, and a later leg's queue and
+            # prefill (a PD decode leg's KV pull and continuation step, a migrated request's re-prefill).
+            later = sum(_span(leg.arrival_time, leg.first_token_time) or 0.0 for leg in legs[1:])
+            model = (seconds["decode"] + later) / (num_tokens - 1)
             client = client_decode_s / (num_tokens - 1)
             self.tpot.labels(*last, "model").observe(min(model, client))
             self.tpot.labels(*last, "framework").observe(max(0.0, client - model))
