@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.cluster.serving.overhead import STAGES
+
 STAGE = "pagedserve:request_stage_seconds"
 TTFT_SPLIT = "pagedserve:time_to_first_token_split_seconds"
 TPOT_SPLIT = "pagedserve:time_per_output_token_split_seconds"
@@ -45,7 +47,8 @@ def scrape(base_url: str, headers: dict[str, str], timeout: float) -> Scrape | N
     return parse(response.text)
 
 
-def _means_ms(before: Scrape, after: Scrape, family: str) -> dict[str, float]:
+def _means_ms(before: Scrape, after: Scrape, family: str, per: float | None = None) -> dict[str, float]:
+    """Mean milliseconds of each label's observations over the run, or of its total over `per` requests."""
     means = {}
     for (name, label), count in after.items():
         if name != family + "_count":
@@ -53,16 +56,22 @@ def _means_ms(before: Scrape, after: Scrape, family: str) -> dict[str, float]:
         n = count - before.get((name, label), 0.0)
         if n > 0:
             total = after.get((family + "_sum", label), 0.0) - before.get((family + "_sum", label), 0.0)
-            means[label] = 1e3 * total / n
+            means[label] = 1e3 * total / (per or n)
     return means
 
 
 def overhead_delta(before: Scrape | None, after: Scrape | None) -> dict[str, Any] | None:
     """The run's mean milliseconds per request by stage, and TTFT / TPOT split into framework and model,
-    with the framework's share; None when the server has no overhead histograms (or no /metrics)."""
+    with the framework's share; None when the server has no overhead histograms (or no /metrics).
+
+    Per request: the engine stages are observed once per engine leg (a PD request has two), so each
+    stage's total is divided by the run's requests (its `ingress` observations, one per engine request)
+    where the server reports them, else by the stage's own observations."""
     if before is None or after is None:
         return None
-    stages = _means_ms(before, after, STAGE)
+    key = (STAGE + "_count", "ingress")
+    requests = after.get(key, 0.0) - before.get(key, 0.0)
+    stages = _means_ms(before, after, STAGE, requests if requests > 0 else None)
     if not stages:
         return None
     out: dict[str, Any] = {"stage_ms": stages}
@@ -87,6 +96,8 @@ def overhead_table(runs: list[dict[str, Any]]) -> str:
             if s:
                 parts.append(f"{label} {s['model'] + s['framework']:.2f} ms = model {s['model']:.2f} + framework "
                              f"{s['framework']:.2f} ({s['framework_share']:.0%})")
-        stages = ", ".join(f"{k} {v:.2f}" for k, v in split["stage_ms"].items())
+        order = {stage: i for i, stage in enumerate(STAGES)}  # the request's path, whatever the scrape's order
+        ordered = sorted(split["stage_ms"].items(), key=lambda item: order.get(item[0], len(order)))
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in ordered)
         lines.append(f"{run['name']}: " + "; ".join(parts) + f"\n  mean ms per request by stage: {stages}")
     return "overhead split (server's /metrics):\n" + "\n".join(lines) if lines else ""

@@ -191,6 +191,7 @@ class Recorder:
     def __init__(self) -> None:
         self.first: list[float] = []
         self.gaps: list[float] = []
+        self.tpot: list[float] = []
         self.finished: list[tuple] = []
 
     def observe_first_token(self, seconds: float) -> None:
@@ -198,6 +199,9 @@ class Recorder:
 
     def observe_inter_token(self, seconds: float) -> None:
         self.gaps.append(seconds)
+
+    def observe_time_per_output_token(self, seconds: float) -> None:
+        self.tpot.append(seconds)
 
     def observe_finished(self, *args) -> None:
         self.finished.append(args)
@@ -216,6 +220,8 @@ def test_final_only_timer_dates_the_first_token_from_the_engines_record():
     (ttft,) = recorder.first
     assert 6.0 <= ttft < 7.0  # 10 s after the start came the output; the engine spent 4 of them decoding
     assert len(recorder.gaps) == 4 and all(abs(g - 1.0) < 0.25 for g in recorder.gaps)
+    (tpot,) = recorder.tpot  # the engine's 4 s of decoding over the 4 tokens after the first
+    assert abs(tpot - 1.0) < 0.25
     assert recorder.finished[0][2] == 5
     # Without engine timings (or when streaming) the output is timed on arrival, as a delta is.
     for timer_kwargs, output in (({"final_only": True}, _final(5, None, None)), ({}, _final(5, 100.0, 104.0))):

@@ -1,7 +1,9 @@
 """Observability shipped and checked: the Grafana dashboard (manifests/observability/) is valid and every
-metric its queries read exists in a live /metrics scrape of the app (or, for the figures only some shapes
-report, in what the metrics code emits for those shapes); the scrape configs point at what the KubeRay
-manifests run; and the overhead histograms (cluster/serving/overhead.py) agree with the end-to-end ones."""
+metric its queries read exists in a live /metrics scrape of the app, the PD / KV-transfer / speculative
+decoding ones in a live scrape of the PD app with a speculating decode engine (only the Serve router's
+decision counts, which need Ray Serve, are checked in what the metrics code emits for that shape); the
+scrape configs point at what the KubeRay manifests run; and the overhead histograms
+(cluster/serving/overhead.py) agree with the end-to-end ones and carry each engine leg's pool and replica."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.cluster.serving.overhead import STAGES
 from tests.local_serving import LocalServer
 from tests.manifest_checks import MANIFESTS
+from tests.pd_local import LocalPD
 
 DASHBOARD = MANIFESTS / "observability" / "grafana-dashboard.json"
 METRIC = re.compile(r"pagedserve:[A-Za-z0-9_:]+")
@@ -87,6 +90,10 @@ def test_dashboard_is_valid_grafana_json():
                   "queue depth", "kv cache usage per replica", "prefix-cache hit rate", "routing decisions",
                   "kv transfer", "replicas", "speculative decoding", "errors by http status"):
         assert topic in titles, topic
+    # TTFT, TPOT and inter-token latency as percentiles, each from its own histogram.
+    for family in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds"):
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"] if f"pagedserve:{family}_bucket" in t["expr"]]
+        assert {re.match(r"histogram_quantile\(([0-9.]+),", e).group(1) for e in exprs} == {"0.5", "0.9", "0.99"}, family
 
 
 def test_every_dashboard_metric_exists(scraped):
@@ -122,11 +129,58 @@ def test_overhead_histograms_agree_with_the_end_to_end_ones(scraped):
     ttft = value("pagedserve:time_to_first_token_seconds_sum")
     split = value("pagedserve:time_to_first_token_split_seconds_sum")
     assert split == pytest.approx(ttft, rel=1e-6, abs=1e-9)
-    # Each request made 5 tokens: one TPOT observation per part; the engine's decode is within the e2e time.
+    # Each request made 5 tokens: one TPOT observation per part, which add up to the request's TPOT;
+    # the engine's decode is within the e2e time.
     assert value("pagedserve:time_per_output_token_split_seconds_count", part="model") == finished
+    assert value("pagedserve:time_per_output_token_seconds_count") == finished
+    assert value("pagedserve:time_per_output_token_split_seconds_sum") == pytest.approx(
+        value("pagedserve:time_per_output_token_seconds_sum"), rel=1e-6, abs=1e-9)
     assert value("pagedserve:request_stage_seconds_sum", stage="decode") <= value("pagedserve:e2e_request_latency_seconds_sum")
     assert value("pagedserve:request_stage_seconds_sum", stage="queue") + value(
         "pagedserve:request_stage_seconds_sum", stage="prefill") <= ttft + 1e-3
+
+
+@pytest.fixture(scope="module")
+def pd_scraped(tiny_llama):
+    """/metrics of the PD app (its decode engine speculating with n-grams) after a chat request."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    pd = LocalPD(str(tiny_llama), decode_kwargs={"speculative_config": ngram})
+    try:
+        with pd.test_client() as client:
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+            pd.wait_idle()
+            yield client.get("/metrics").text
+    finally:
+        pd.close()
+
+
+def test_the_shape_metrics_are_in_a_live_pd_scrape(pd_scraped):
+    """The PD, KV-transfer and speculative-decoding panels read what a live PD app (with a speculating
+    decode engine) reports; only the Serve router's decision counts are left to the rendered shape."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    wanted = {n for n in dashboard_metrics(dashboard) if n.startswith(SHAPE_PREFIXES)}
+    missing = wanted - sample_names(pd_scraped)
+    assert missing <= {"pagedserve:routing_decisions_total"}, missing
+    assert {"pagedserve:kv_transfer_bytes_total", "pagedserve:pool_num_engines",
+            "pagedserve:spec_decode_num_draft_tokens_total"} <= wanted - missing
+
+
+def test_pd_overhead_is_labelled_by_each_legs_pool_and_replica(pd_scraped):
+    """Through the PD app: the prefill leg's stages on the prefill pool, the decode leg's on the decode pool;
+    TTFT split on the prefill pool (its engine made the first token), TPOT split on the decode pool."""
+    rows = samples(pd_scraped)
+
+    def pools(name: str, **labels: str) -> set[str]:
+        return {s.labels["deployment"] for s in rows if s.name == name and s.value
+                and labels.items() <= s.labels.items()}
+
+    stage = "pagedserve:request_stage_seconds_count"
+    assert pools(stage, stage="queue") == pools(stage, stage="prefill") == {"prefill", "decode"}
+    assert pools(stage, stage="kv_transfer") == {"decode"}
+    assert pools(stage, stage="ingress") == {"prefill"} and pools(stage, stage="output") == {"decode"}
+    assert pools("pagedserve:time_to_first_token_split_seconds_count") == {"prefill"}
+    assert pools("pagedserve:time_per_output_token_split_seconds_count") == {"decode"}
+    assert {s.labels["replica"] for s in rows if s.name == stage} == {"0"}  # each pool's one engine
 
 
 def test_podmonitor_selects_the_kuberay_pods_on_their_serve_port():

@@ -25,7 +25,9 @@ only then does the refusal reach the client (503 `overloaded`). Under Serve a re
 `max_ongoing_requests` already hands the request to the router's next choice itself; these retries
 cover the engine's own queue limit and every other shape. Migrations and retries are logged with the
 request id and counted in the stats the HTTP layer's /metrics reads (`fault_tolerance`:
-`migrations`, `migration_failures`, `overload_retries`).
+`migrations`, `migration_failures`, `overload_retries`), and each is an event on the request's trace
+(`record_event`: `migration`, `overload_retry`, `migration_failed`), whose resubmission's routing
+decision `routing_records` hands over marked with its attempt.
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.fleet_stats import FleetStats
+from pagedserve.cluster.serving.request_stages import record_event
 from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
@@ -93,6 +97,7 @@ class MigratingClient:
         self.num_migration_failures = 0  # requests that failed with max_migrations used up
         self.num_overload_retries = 0  # resubmissions after an engine refused a request for load
         self._legs: dict[str, list[str]] = {}  # request id -> the inner request ids now running
+        self._issued: dict[str, list[tuple[int, str]]] = {}  # request id -> (attempt, inner id) submitted
 
     # ------------------------------------------------------------------ generate
 
@@ -101,23 +106,26 @@ class MigratingClient:
                        pooling_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """The inner client's `generate`, continued on another engine when the one serving it fails. An
         embedding request (`pooling_params`: one output, nothing streamed before it) is computed again."""
-        submit = _Submitter(self.inner, list(prompt_token_ids), priority, cache_salt, pooling_params)
+        tries = _Tries(request_id)
+        submit = _Submitter(self.inner, list(prompt_token_ids), priority, cache_salt, pooling_params, tries)
+        self._issued[request_id] = submit.issued
         if final_only or pooling_params is not None:
-            stream = self._restarting(request_id, submit, sampling_params)
+            stream = self._restarting(tries, submit, sampling_params)
         else:
-            stream = self._continuing(request_id, submit, sampling_params)
+            stream = self._continuing(tries, submit, sampling_params)
         try:
             async for output in stream:
                 yield output
         finally:
             await stream.aclose()
             self._legs.pop(request_id, None)
+            self._issued.pop(request_id, None)
 
-    async def _restarting(self, request_id: str, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
+    async def _restarting(self, tries: _Tries, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
         """A caller that reads only the end: each try's outputs are kept until it finishes, so that a try
         that fails after some outputs (a PD request's first-token delta and continuation stay DELTA even
         for such a caller) leaves nothing behind when the request starts again."""
-        tries = _Tries(request_id)
+        request_id = tries.request_id
         while True:
             leg_id = tries.leg_id()
             self._legs[request_id] = [leg_id]
@@ -133,10 +141,10 @@ class MigratingClient:
                 yield output
             return
 
-    async def _continuing(self, request_id: str, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
+    async def _continuing(self, tries: _Tries, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
+        request_id = tries.request_id
         original = SamplingParams(**params)
         completions = [_Completion() for _ in range(original.n)]
-        tries = _Tries(request_id)
         legs = [_Leg(tries.leg_id(), None, submit(tries.leg_id(), params))]
         while True:
             self._legs[request_id] = [leg.request_id for leg in legs]
@@ -175,6 +183,8 @@ class MigratingClient:
         retries are."""
         rid = tries.request_id
         tries.submissions += 1
+        trace = {"pagedserve.retry.attempt": tries.submissions, "pagedserve.retry.reason": type(exc).__name__,
+                 "pagedserve.retry.error": str(exc)[:200], "pagedserve.retry.tokens_delivered": delivered}
         if isinstance(exc, EngineOverloadedError):
             if tries.overloads >= self.max_overload_retries:
                 raise exc
@@ -182,10 +192,14 @@ class MigratingClient:
             self.num_overload_retries += 1
             logger.info("request %s: refused (%s); retrying (%d of at most %d)", rid, exc, tries.overloads,
                         self.max_overload_retries)
+            event = record_event("overload_retry", **trace)
             await asyncio.sleep(OVERLOAD_BACKOFF_S * tries.overloads)
+            if event is not None:
+                event.end = time.time()
             return
         if tries.migrations >= self.max_migrations:
             self.num_migration_failures += 1
+            record_event("migration_failed", **trace)
             logger.error("request %s: its engine failed again (%s) and it has used its %d migrations; giving up",
                          rid, exc, self.max_migrations)
             raise EngineDeadError(f"request {rid!r} failed: its engine failed and the request was already "
@@ -194,9 +208,23 @@ class MigratingClient:
         self.num_migrations += 1
         logger.warning("request %s: %s: %s; migrating it (%d of at most %d) with %d tokens delivered",
                        rid, type(exc).__name__, exc, tries.migrations, self.max_migrations, delivered)
+        event = record_event("migration", **trace)
         await asyncio.sleep(MIGRATION_BACKOFF_S * (tries.migrations - 1))
+        if event is not None:
+            event.end = time.time()
 
     # ------------------------------------------------------------------ the rest of EngineClient
+
+    def routing_records(self, request_id: str) -> list[dict]:
+        """The inner client's routing decisions for every submission of `request_id` (for its trace;
+        taken), each resubmission's marked with its `attempt` (the trace's retry event of that number)."""
+        take = getattr(self.inner, "routing_records", None)
+        if take is None:
+            return []
+        records = []
+        for attempt, inner_id in self._issued.get(request_id) or [(0, request_id)]:
+            records += [{**r, "attempt": attempt} if attempt else r for r in take(inner_id)]
+        return records
 
     async def abort(self, request_id: str) -> None:
         for leg_id in self._legs.get(request_id, [request_id]):
@@ -233,8 +261,11 @@ class _Submitter:
     priority: int
     cache_salt: str | None
     pooling_params: dict | None = None
+    tries: _Tries | None = None
+    issued: list[tuple[int, str]] = field(default_factory=list)  # (attempt, inner request id), bounded by the tries
 
     def __call__(self, request_id: str, params: dict, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        self.issued.append((0 if self.tries is None else self.tries.submissions, request_id))
         extra = {} if self.pooling_params is None else {"pooling_params": self.pooling_params}
         return self.inner.generate(request_id, self.prompt_token_ids, params, self.priority,
                                    final_only=final_only, cache_salt=self.cache_salt, **extra)

@@ -51,6 +51,7 @@ from typing import Any
 
 from pagedserve.cluster.serve.coordinator import DPCoordinator
 from pagedserve.cluster.fleet_stats import FleetStats
+from pagedserve.cluster.serving.request_stages import record_event
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.detokenizer import streamed_text_of_first_tokens
 from pagedserve.engine.outputs import RequestOutput
@@ -185,6 +186,8 @@ class PDClient:
         except (EngineDeadError, EngineOverloadedError) as exc:
             self.counters.prefill_fallbacks += 1
             logger.warning("request %s: prefill failed (%s); computing it on a decode engine", request_id, exc)
+            record_event("prefill_fallback", **{"pagedserve.retry.reason": type(exc).__name__,
+                                                "pagedserve.retry.error": str(exc)[:200]})
             async for output in self._decode(request_id, prompt_token_ids, user, priority, final_only, cache_salt):
                 yield output
             return
@@ -244,6 +247,9 @@ class PDClient:
                     self.counters.decode_retries += 1
                     logger.warning("request %s: the decode engine failed before its first output (%s); another "
                                    "decode engine takes the prefill's hold", request_id, exc)
+                    record_event("decode_retry", **{"pagedserve.retry.attempt": attempt + 1,
+                                                    "pagedserve.retry.reason": type(exc).__name__,
+                                                    "pagedserve.retry.error": str(exc)[:200]})
         finally:
             if not released:
                 self._release(remote)
@@ -264,10 +270,9 @@ class PDClient:
             logger.debug("release of %s failed: %s", remote.get("remote_request_id"), exc)
 
     def routing_records(self, request_id: str) -> list[dict]:
-        """Both legs' routing decisions for `request_id` (for its trace), each with its leg: 0 the first
-        engine to serve it (the prefill, unless the request went to a decode engine alone), 1 the decode."""
-        prefill = [{**r, "leg": 0} for r in self.prefill.routing_records(request_id)]
-        return prefill + [{**r, "leg": 1 if prefill else 0} for r in self.decode.routing_records(request_id)]
+        """Both pools' routing decisions for `request_id` (for its trace and overhead labels; taken): the
+        trace places each before the engine leg that arrived after it."""
+        return self.prefill.routing_records(request_id) + self.decode.routing_records(request_id)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(self.prefill.abort(request_id), self.decode.abort(request_id))

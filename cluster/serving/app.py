@@ -3,6 +3,10 @@ handlers and the ASGI middleware (request ids, API key, body size limit, unexpec
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
 from fastapi import FastAPI
 from fastapi.responses import Response
 
@@ -25,7 +29,14 @@ def open_paths(serving: OpenAIServing) -> frozenset[str]:
 def build_fastapi_app(serving: OpenAIServing, behind_serve_proxy: bool = False) -> FastAPI:
     """Routes, error handlers and middleware around one `OpenAIServing`. `behind_serve_proxy`: Ray Serve's
     HTTP proxy sets X-Request-Id on every response, so the app leaves the header to it."""
-    app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if serving.tracing is not None:  # the traces still batched go out before the app stops
+            await anyio.to_thread.run_sync(serving.tracing.flush)
+
+    app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM serving", docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
     app.state.serving = serving
     install_error_handlers(app)
     app.add_middleware(ServingMiddleware, serving=serving, open_paths=open_paths(serving),

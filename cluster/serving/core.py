@@ -234,8 +234,6 @@ class OpenAIServing:
         """A finished engine request: its routing decisions (to its trace) and its overhead histograms."""
         take = getattr(self.client, "routing_records", None)
         routes = take(engine_request_id) if take is not None else []
-        for route in routes:
-            route.setdefault("leg", 0)  # (a PD client names each record's leg: prefill 0, decode 1)
         if timer.stages is not None:
             timer.stages.routes.extend(routes)
         ttft = None if timer.first is None else timer.first - timer.start

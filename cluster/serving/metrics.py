@@ -329,6 +329,9 @@ class ServingMetrics:
                               buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed outputs.", labels,
                              buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token after the first, "
+                              "per request: (last token - first token) / (tokens - 1).", labels,
+                              buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.", labels,
                              buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         sizes = token_buckets(max_model_len)
@@ -349,6 +352,9 @@ class ServingMetrics:
 
     def observe_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def observe_time_per_output_token(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
 
     def observe_finished(self, e2e_seconds: float, prompt_tokens: int, generation_tokens: int,
                          finish_reason: str | None) -> None:

@@ -72,6 +72,8 @@ class RequestTimer:
             if c.finish_reason is not None:
                 self.finish_reason = c.finish_reason
         if output.finished:
+            if self.generated > 1 and self.first is not None and self.last is not None:
+                self.metrics.observe_time_per_output_token((self.last - self.first) / (self.generated - 1))
             self.metrics.observe_finished(now - self.start, self.prompt_tokens, self.generated, self.finish_reason)
             if self.on_finish is not None:
                 self.on_finish(self)

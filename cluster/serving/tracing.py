@@ -10,6 +10,9 @@ response is done, its children built from the request's `RequestStages` with the
   ingress (auth, validate, tokenize, prepare) -> dispatch (route: candidates, loads, winner, why)
   -> engine, one per leg (queue, prefill with one span per chunk, kv_transfer, decode) -> output
 
+and for each retry or migration (migration.py, the PD client) an event on the root span; a resubmission
+(migration, overload_retry) is also a span from the failure to its new routing decision (inside it).
+
 The engines never import OpenTelemetry: their times come back inside `RequestOutput.metrics`, so no
 context crosses a process. The SDK reads the other OTEL_* variables itself (service name, resource
 attributes, exporter headers, timeouts); `trace_sample_ratio` (else OTEL_TRACES_SAMPLER_ARG, else 1)
@@ -21,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.cluster.serving.request_stages import RequestStages
+from pagedserve.cluster.serving.request_stages import RequestStages, leg_routes
 
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACE_ID_HEADER = "x-trace-id"
@@ -89,6 +92,10 @@ class Tracing:
             return None
         return cls(endpoint, getattr(args, "trace_sample_ratio", None))
 
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Export what is batched now (the app calls it as it stops); False if that timed out."""
+        return self.provider.force_flush(timeout_millis=int(timeout_s * 1000))
+
     def shutdown(self) -> None:
         self.provider.shutdown()
 
@@ -125,7 +132,8 @@ class Tracing:
             if "first_output" in stages.marks:  # the first token reached the ingress (TTFT as it streams out)
                 span.add_event("first_output", timestamp=_ns(stages.marks["first_output"]))
             for event in stages.events:  # retries, migrations
-                span.add_event(event.name, attributes=event.attributes, timestamp=_ns(event.time))
+                span.add_event(event.name, attributes=_event_attributes(event.attributes),
+                               timestamp=_ns(event.time))
             _Children(self.tracer, trace.set_span_in_context(span), stages).build()
         span.end(end_time=_ns(end))
 
@@ -159,26 +167,52 @@ class _Children:
                       {"pagedserve.prompt_tokens": stages.num_prompt_tokens})
             self.span("prepare", m.get("tokenize_end", auth), dispatched, ctx)
         legs = stages.ordered_legs()
-        for index, leg in enumerate(legs):
+        # Each routing decision under the hand-over of the first leg to arrive after it (PD: the prefill's,
+        # then the decode's); a resubmission's sit in its retry span instead.
+        by_leg: dict[int, list[dict]] = {}
+        for route in sorted((r for r in stages.routes if not r.get("attempt")), key=lambda r: r["start"]):
+            index = next((i for i, leg in enumerate(legs) if leg.arrival_time >= route["start"]), len(legs) - 1)
+            by_leg.setdefault(index, []).append(route)
+        for index, (leg, leg_route) in enumerate(zip(legs, leg_routes(legs, stages.routes))):
             # Handed on to this leg's engine (PD: the decode leg after the prefill leg), its routing inside.
-            routes = [r for r in stages.routes if r.get("leg", 0) == index][:4]
-            start = dispatched if index == 0 else min([r["start"] for r in routes] or [leg.arrival_time])
+            routes = by_leg.get(index, [])[:4]
+            # A later leg is handed on once the one before ended (its output back at the ingress, then routed
+            # on); legs that ran side by side (a batch of prompts) start their hand-over at their arrival.
+            previous = (legs[index - 1].finished_time or legs[index - 1].last_token_time) if index else None
+            handed = leg.arrival_time if previous is None else min(previous, leg.arrival_time)
+            base = dispatched if index == 0 else handed
+            start = min([r["start"] for r in routes] + ([] if base is None else [base]), default=None)
             dispatch = self.span("dispatch", start, leg.arrival_time, None, {"pagedserve.leg": index})
             if dispatch is not None:
                 ctx = trace.set_span_in_context(dispatch)
                 for route in routes:
                     self.span("route", route["start"], route["start"] + route["seconds"], ctx, route_attributes(route))
-            self.engine_leg(index, leg, stages.routes)
+            self.engine_leg(index, leg, leg_route)
+        self.retries()
         if legs:
             last = legs[-1].last_token_time or legs[-1].finished_time
             self.span("output", last, m.get("responded", m.get("last_output")), None,
                       {"pagedserve.streamed": stages.streamed})
 
-    def engine_leg(self, index: int, leg: Any, routes: list[dict]) -> None:
+    def retries(self) -> None:
+        """A span per resubmission (failure -> resubmitted, and its new routing decisions inside it)."""
+        from opentelemetry import trace
+
+        for event in self.stages.events:
+            if event.end is None:
+                continue
+            attempt = event.attributes.get("pagedserve.retry.attempt")
+            routes = [r for r in self.stages.routes if attempt is not None and r.get("attempt") == attempt][:4]
+            end = max([event.end] + [r["start"] + r["seconds"] for r in routes])
+            span = self.span(event.name, event.time, end, None, _event_attributes(event.attributes))
+            ctx = trace.set_span_in_context(span)
+            for route in routes:
+                self.span("route", route["start"], route["start"] + route["seconds"], ctx, route_attributes(route))
+
+    def engine_leg(self, index: int, leg: Any, route: dict) -> None:
         from opentelemetry import trace
 
         end = leg.finished_time or leg.last_token_time
-        route = next((r for r in routes if r.get("leg", 0) == index), {})
         engine = self.span("engine", leg.arrival_time, end, None, {
             "pagedserve.leg": index, "pagedserve.deployment": str(route.get("deployment", "")),
             "pagedserve.replica": str(route.get("winner", "")), "pagedserve.cached_tokens": leg.num_cached_tokens,
@@ -204,10 +238,16 @@ class _Children:
         self.span("decode", leg.first_token_time, leg.last_token_time, ctx)
 
 
+def _event_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
+    """Span attributes take str, bool, int, float (or lists of one): anything else as its text."""
+    return {k: v if isinstance(v, (str, bool, int, float)) else str(v) for k, v in attributes.items()}
+
+
 def route_attributes(route: dict) -> dict[str, Any]:
     candidates = sorted(route.get("candidates", {}).items())[:MAX_CANDIDATES_SHOWN]
     return {"pagedserve.route.decision": str(route.get("decision", "")),
             "pagedserve.route.winner": str(route.get("winner", "")),
             "pagedserve.route.deployment": str(route.get("deployment", "")),
             "pagedserve.route.num_candidates": int(route.get("num_candidates", 0)),
+            "pagedserve.route.attempt": int(route.get("attempt", 0)),
             "pagedserve.route.candidates": [f"{name}={load:.3g}" for name, load in candidates]}
