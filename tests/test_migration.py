@@ -1,8 +1,9 @@
 """`MigratingClient` (cluster/serve/migration.py) over a real engine, without Ray: an inner client whose
 streams die on command (`EngineDeadError`, as a replica's death surfaces) is wrapped, and what the
 wrapper streams equals an uninterrupted run: the same tokens, text, finish reason and logprobs, no
-error, each token once; `final_only` requests restart; `max_migrations` bounds it all with a clean
-error; the counts reach /metrics."""
+error, each token once; `final_only` requests (their deltas batched and their text decoded at the end
+as the engine host does: `FinalOnlyBatcher`) continue the same way; `max_migrations` bounds it all with
+a clean error; the counts reach /metrics."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 
 from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.cluster.serve.migration import MigratingClient
+from pagedserve.cluster.serve.stream_transport import FinalOnlyBatcher
 from pagedserve.cluster.serving.metrics import ServingMetrics
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, EngineStoppedError
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.detokenizer import TokenizerInfo
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
@@ -29,7 +32,10 @@ class FlakyClient:
     """An EngineClient over one AsyncLLM. `faults` is consumed one entry per submitted stream: an int k
     kills that stream (EngineDeadError) once it has delivered k tokens or more and has more to deliver
     (the engine merges steps into one output when its reader lags, so a kill lands between outputs), an
-    exception instance is raised before its first output, None lets it run."""
+    exception instance is raised before its first output, None lets it run. A `final_only` stream is
+    what an engine host sends for one: its deltas merged every `checkpoint_s`, texts decoded at the end."""
+
+    checkpoint_s = 0.0
 
     def __init__(self, engine: AsyncLLM, faults: list | None = None) -> None:
         self.engine = engine
@@ -44,12 +50,19 @@ class FlakyClient:
         fault = self.faults.pop(0) if self.faults else None
         if isinstance(fault, BaseException):
             raise fault
-        kind = OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA
-        stream = self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, SamplingParams(**sampling_params),
-                                      request_id=request_id, priority=priority, output_kind=kind)
+        params = SamplingParams(**sampling_params)
+        batcher = None
+        if final_only:
+            batcher = FinalOnlyBatcher(list(prompt_token_ids), params, lambda: TokenizerInfo(self.engine.tokenizer),
+                                       self.checkpoint_s)
+            params = batcher.engine_params
+        stream = self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params,
+                                      request_id=request_id, priority=priority, output_kind=OutputKind.DELTA)
         delivered = 0
         try:
             async for output in stream:
+                if batcher is not None and (output := batcher.add(output)) is None:
+                    continue
                 if fault is not None and delivered >= fault:
                     self.kills += 1
                     raise EngineDeadError(f"replica of {request_id} died")
@@ -168,18 +181,27 @@ def test_a_stop_string_straddling_the_seam(engine):
     asyncio.run(run())
 
 
-def test_final_only_requests_restart(engine):
-    params = SamplingParams(temperature=0.8, seed=99, max_tokens=12, ignore_eos=True).model_dump()
+@pytest.mark.parametrize("case", [*CASES, "stop"])
+def test_a_final_only_request_killed_twice_continues_to_the_uninterrupted_answer(engine, case):
+    """A non-streamed request continues from the tokens its dead engines had sent (not from scratch):
+    its answer is the one an uninterrupted run gives, streamed or not."""
+    params = SamplingParams(**CASES.get(case, CASES["greedy"])).model_dump()
 
     async def run() -> None:
+        if case == "stop":  # a stop string from where the second kill lands: it straddles a seam
+            tokens = (await _collect(FlakyClient(engine), params))[0]["tokens"]
+            params["stop"] = [engine.tokenizer.decode(tokens)[len(engine.tokenizer.decode(tokens[:8])):][:3]]
         want = await _collect(FlakyClient(engine), params, final_only=True)
-        inner = FlakyClient(engine, faults=[0, EngineStoppedError("draining")])
-        client = MigratingClient(inner)
+        _assert_same(want, await _collect(FlakyClient(engine), params))
+        inner = FlakyClient(engine, faults=[4, 3, EngineStoppedError("draining")])
+        client = MigratingClient(inner, max_migrations=3)
         got = await _collect(client, params, final_only=True)
         _assert_same(got, want)
-        assert [final for _, _, final in inner.submitted] == [True, True, True]
-        assert all(p.get("resume_output_token_ids") is None for _, p, _ in inner.submitted)
-        assert client.num_migrations == 2
+        assert all(final for _, _, final in inner.submitted)
+        resumed = [p["resume_output_token_ids"] or [] for _, p, _ in inner.submitted[1:]]
+        assert client.num_migrations >= 1 and any(resumed)  # continued, not restarted
+        if case == "json":
+            assert is_valid("json", got[0]["text"])
         await _wait_blocks_free(engine)
 
     asyncio.run(run())
@@ -271,9 +293,9 @@ def test_a_draining_engine_hands_its_unfinished_requests_over(engine, tiny_llama
         draining.shutdown()
 
 
-def test_a_final_only_request_that_failed_after_some_outputs_restarts_without_leftovers():
-    """A PD request streams its first-token delta and continuation even for a caller that reads only the end:
-    when such a try dies after some outputs, the restart's outputs alone reach the caller."""
+def test_a_final_only_request_that_failed_after_some_outputs_continues_after_them():
+    """A PD request streams its first-token delta even for a caller that reads only the end: when such a
+    try dies after it, the next try continues from that token, which reaches the caller once."""
     from pagedserve.engine.outputs import CompletionOutput
 
     def delta(tokens: list[int], finished: bool) -> RequestOutput:
@@ -284,13 +306,14 @@ def test_a_final_only_request_that_failed_after_some_outputs_restarts_without_le
                              outputs=[completion], finished=finished)
 
     class DiesOnce:
-        tries = 0
+        params: list[dict] = []
 
         async def generate(self, request_id, prompt_token_ids, params, priority=0, final_only=False,
                            cache_salt=None):
-            DiesOnce.tries += 1
-            yield delta([7], False)
-            if DiesOnce.tries == 1:
+            assert final_only
+            DiesOnce.params.append(params)
+            if len(DiesOnce.params) == 1:
+                yield delta([7], False)
                 raise EngineDeadError("the decode replica died")
             yield delta([8, 9], True)
 
@@ -299,5 +322,6 @@ def test_a_final_only_request_that_failed_after_some_outputs_restarts_without_le
         return [o async for o in client.generate("x", [1, 2], {"max_tokens": 3}, final_only=True)]
 
     outputs = asyncio.run(run())
-    assert [o.outputs[0].token_ids for o in outputs] == [[7], [8, 9]]  # the second try's, once
-    assert all(o.request_id == "x" for o in outputs) and DiesOnce.tries == 2
+    assert [o.outputs[0].token_ids for o in outputs] == [[7], [8, 9]]
+    assert all(o.request_id == "x" for o in outputs)
+    assert [p.get("resume_output_token_ids") for p in DiesOnce.params] == [None, [7]]

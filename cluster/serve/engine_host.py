@@ -5,7 +5,8 @@ engine actors the in-process `DPCoordinator` drives (`engine_actor.start_engine_
 benchmark use, and the PD pools without Serve in `pd_pools`).
 
 Requests: `generate(request_id, prompt, sampling_params, priority, final_only, cache_salt)` streams the
-engine's DELTA `RequestOutput`s (with `final_only`, one finished output). The prompt is token ids (what
+engine's DELTA `RequestOutput`s (with `final_only`, merged into one output per checkpoint interval and
+the finish, its text decoded once at the end: `stream_transport.FinalOnlyBatcher`). The prompt is token ids (what
 the Serve request routers read as the call's second argument) or an engine prompt dict. The prompt goes
 once, in a stream's first output (`stream_transport`); a Ray streaming call pauses when
 `STREAM_BACKPRESSURE_OBJECTS` outputs wait unread. `abort_requests` ends the named streams with one
@@ -62,10 +63,13 @@ from pagedserve.cluster.executor.ray_utils import assigned_cpus, use_reserved_cp
 from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes, short_hash
-from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
+from pagedserve.cluster.serve.stream_transport import (
+    FINAL_ONLY_CHECKPOINT_S, STREAM_BACKPRESSURE_OBJECTS, FinalOnlyBatcher, PromptElider,
+)
 from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.detokenizer import TokenizerInfo
 from pagedserve.engine.lora.request import pop_lora_request
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -186,6 +190,9 @@ class EngineHost:
         # The offload tier across nodes (made on first use): peers' signed reads, this engine's fetches.
         self._tier_verifier: TierReadVerifier | None = None
         self._tier_fetcher: TierFetcher | None = None
+        # final_only requests: their deltas go out merged, one output per this many seconds (FinalOnlyBatcher).
+        self.final_only_checkpoint_s = FINAL_ONLY_CHECKPOINT_S
+        self._tokenizer_info: TokenizerInfo | None = None  # made on the first final_only text decoded here
         self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch_engine, name="engine-watchdog", daemon=True)
         self._watchdog.start()
@@ -229,8 +236,10 @@ class EngineHost:
         kv_tier_peer: dict | None = None,
     ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Stream DELTA outputs, the prompt only in the first (see `stream_transport`). With `final_only`
-        (the caller reads nothing before the end: a non-streaming HTTP request) the stream is one output,
-        the finished one with every token (its text decoded once, not per step). `cache_salt` goes into
+        (the caller reads nothing before the end: a non-streaming HTTP request) the deltas go out merged,
+        one output per `final_only_checkpoint_s` and the finished one, each completion's text whole in its
+        finishing delta (decoded once, not per step; `FinalOnlyBatcher`): what a migration continues
+        from, at about the cost of one finished output. `cache_salt` goes into
         the engine prompt (its prefix-cache hashes). Closing or cancelling the stream aborts the request.
         ValueError (bad input), EngineOverloadedError and EngineDeadError propagate. With `pooling_params`
         (PoolingParams fields) it is an embedding request (`AsyncLLM.encode`): one finished
@@ -261,12 +270,18 @@ class EngineHost:
         self._in_flight_prompt_tokens += prompt_tokens
         aborted = asyncio.Event()
         self._aborts[request_id] = aborted
+        batcher: FinalOnlyBatcher | None = None
         if isinstance(params, PoolingParams):
             stream = self.engine.encode(prompt, params, request_id=request_id, priority=priority)
         else:
+            kind = OutputKind.DELTA
+            if final_only and ids is not None:
+                batcher = FinalOnlyBatcher(ids, params, self._detokenizer_info, self.final_only_checkpoint_s)
+                params = batcher.engine_params
+            elif final_only:  # an engine prompt of text: one finished output (nothing to continue it from)
+                kind = OutputKind.FINAL_ONLY
             stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority,
-                                          output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA,
-                                          lora_request=lora_request)
+                                          output_kind=kind, lora_request=lora_request)
         elide = PromptElider()
         abort_wait = asyncio.ensure_future(aborted.wait())
         next_output: asyncio.Future | None = None
@@ -286,6 +301,10 @@ class EngineHost:
                     return
                 except ValueError as exc:
                     raise _plain_value_error(exc) from None
+                if batcher is not None:
+                    output = batcher.add(output)
+                    if output is None:
+                        continue
                 # Counted before the yield: the generator may pause there (backpressure).
                 self._num_stream_outputs += 1
                 yield elide(output)
@@ -296,6 +315,11 @@ class EngineHost:
             if next_output is not None:
                 await _cancel_and_wait(next_output)  # the generator must be idle before aclose()
             await stream.aclose()  # aborts the engine request if it did not finish
+
+    def _detokenizer_info(self) -> TokenizerInfo:
+        if self._tokenizer_info is None:
+            self._tokenizer_info = TokenizerInfo(self.engine.tokenizer)
+        return self._tokenizer_info
 
     async def abort(self, request_id: str) -> None:
         await self.abort_requests([request_id])
