@@ -207,7 +207,8 @@ def test_a_final_only_request_killed_twice_continues_to_the_uninterrupted_answer
     asyncio.run(run())
 
 
-def test_max_migrations_exhausted_is_a_clean_error(engine):
+@pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final_only"])
+def test_max_migrations_exhausted_is_a_clean_error(engine, final_only, caplog):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True).model_dump()
 
     async def run() -> None:
@@ -215,16 +216,20 @@ def test_max_migrations_exhausted_is_a_clean_error(engine):
         client = MigratingClient(FlakyClient(engine, faults=[2, 0, 0]), max_migrations=2)
         seen: list[int] = []
         with pytest.raises(EngineDeadError, match="migrated 2 times"):
-            async for out in client.generate("req", PROMPT, params):
+            async for out in client.generate("req-7", PROMPT, params, final_only=final_only):
                 seen += out.outputs[0].token_ids
         assert len(seen) >= 2 and seen == want[:len(seen)]  # what the first attempt delivered, once
         assert client.num_migrations == 2 and client.num_migration_failures == 1
         none = MigratingClient(FlakyClient(engine, faults=[0]), max_migrations=0)
         with pytest.raises(EngineDeadError, match="migrated 0 times"):
-            await _collect(none, params)
+            await _collect(none, params, final_only=final_only)
         await _wait_blocks_free(engine)
 
-    asyncio.run(run())
+    with caplog.at_level("WARNING", logger="pagedserve.cluster.serve.migration"):
+        asyncio.run(run())
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("request req-7:" in m and "migrating it" in m for m in logged) == 2
+    assert any("request req-7:" in m and "giving up" in m for m in logged)
 
 
 def test_a_refused_request_is_retried_then_the_refusal_stands(engine):
