@@ -328,3 +328,37 @@ def test_pd_uses_final_only_where_its_decode_computes_everything(pd, monkeypatch
     for free, total, held in local_pd.wait_idle():
         assert (free, held) == (total, 0)
 
+
+
+def test_a_final_only_request_aborted_or_left_mid_generation_frees_its_blocks(tiny_llama):
+    """The engine host's checkpointed final_only stream still races abort() and still aborts its engine
+    request when its reader leaves: every KV block is free after both."""
+    host = EngineHost({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB", "block_size": 4})
+    host.final_only_checkpoint_s = 0.0
+    params = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[RequestOutput]:
+        outputs = []
+        async for out in host.generate("to-abort", [5, 6, 7, 8, 9], params, final_only=True):
+            outputs.append(out)
+            if len(outputs) == 2:
+                await host.abort_requests(["to-abort"])
+        stream = host.generate("left", [5, 6, 7, 8, 9], params, final_only=True)
+        async for _ in stream:
+            break
+        await stream.aclose()
+        return outputs
+
+    try:
+        outputs = asyncio.run(run())
+        deadline = time.monotonic() + 30
+        while True:
+            stats = host.engine.get_stats().scheduler
+            if stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+    finally:
+        host.shutdown()
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert 0 < sum(len(o.outputs[0].token_ids) for o in outputs) < 400

@@ -288,7 +288,8 @@ class EngineHost:
         try:
             while True:
                 # Race the next output against abort(): the engine emits nothing for an aborted request.
-                next_output = asyncio.ensure_future(anext(stream))
+                # (A final_only request's next output is the batcher's: one race per checkpoint, not per step.)
+                next_output = asyncio.ensure_future(anext(stream) if batcher is None else batcher.next_from(stream))
                 await asyncio.wait({next_output, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if not next_output.done():
                     await _cancel_and_wait(next_output)
@@ -301,10 +302,6 @@ class EngineHost:
                     return
                 except ValueError as exc:
                     raise _plain_value_error(exc) from None
-                if batcher is not None:
-                    output = batcher.add(output)
-                    if output is None:
-                        continue
                 # Counted before the yield: the generator may pause there (backpressure).
                 self._num_stream_outputs += 1
                 yield elide(output)

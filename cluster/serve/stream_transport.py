@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from pagedserve.engine.detokenizer import TokenizerInfo, detokenize_finished
 from pagedserve.engine.outputs import RequestOutput
@@ -109,3 +109,11 @@ class FinalOnlyBatcher:
         self._next_send = now + self.interval_s
         merged, self._pending = self._pending, None
         return merged
+
+    async def next_from(self, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """Read `stream` until there is something to send (StopAsyncIteration at its end)."""
+        async for output in stream:
+            merged = self.add(output)
+            if merged is not None:
+                return merged
+        raise StopAsyncIteration
