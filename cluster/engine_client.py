@@ -27,7 +27,8 @@ class EngineClient(Protocol):
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
                  priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
                  pooling_params: dict | None = None) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
-        """Stream DELTA outputs (or, with `final_only`, the finished output alone). Raises ValueError (bad
+        """Stream DELTA outputs (with `final_only`, fewer: merged per checkpoint interval, the text whole in
+        each completion's finishing delta; `stream_transport.FinalOnlyBatcher`). Raises ValueError (bad
         input), EngineOverloadedError or EngineDeadError; closing the iteration early aborts the request.
         With `pooling_params` (engine.pooling_params.PoolingParams fields) it is an embedding request,
         routed like any prompt: `sampling_params` is ignored and the stream is one `EmbeddingRequestOutput`."""

@@ -23,7 +23,7 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.kv_events import KVEventBatch, KVSnapshot
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.request import LoRARequest
-from pagedserve.engine.output_processor import OutputKind
+from pagedserve.engine.output_processor import CHECKPOINT_INTERVAL_S, DELTA_KINDS, OutputKind
 from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput, SchedulerStats
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.processor import PromptType
@@ -102,11 +102,14 @@ class AsyncLLM:
         priority: int = 0,
         output_kind: OutputKind = OutputKind.DELTA,
         lora_request: LoRARequest | None = None,
+        checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (deltas by default; CUMULATIVE: each output holds everything so
         far). Bad input raises ValueError before the first output; the request is aborted if the caller
         stops iterating (client disconnect). FINAL_ONLY yields only the finished output, for a caller that
-        reads nothing before the end (its text is then decoded once, not token by token)."""
+        reads nothing before the end (its text is then decoded once, not token by token); CHECKPOINT, for one
+        that reads only the end but must know what was generated, yields deltas at most once per
+        `checkpoint_interval_s` and the finished one (the text decoded once, into the finishing delta)."""
         self._raise_if_dead()
         request_id = request_id or f"req-{next(self._ids)}"
         if self._num_active >= self.max_pending_requests:
@@ -127,7 +130,7 @@ class AsyncLLM:
         stream = _Stream(loop, asyncio.Queue())
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, sampling_params, priority, output_kind, stream, bad_words_ids,
-                                    lora_request), added))
+                                    lora_request, checkpoint_interval_s), added))
         finished = accepted = False
         try:
             await asyncio.wrap_future(added)  # raises the processor's ValueError, if any
@@ -140,7 +143,7 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 # Several steps' deltas waiting (a slow consumer, e.g. an HTTP stream): send them as one.
-                while output_kind == OutputKind.DELTA and not item.finished and not stream.queue.empty():
+                while output_kind in DELTA_KINDS and not item.finished and not stream.queue.empty():
                     later = stream.queue.get_nowait()
                     if isinstance(later, BaseException):
                         error = later
@@ -293,12 +296,13 @@ class AsyncLLM:
             future.set_result(self.engine.engine_core.kv_events.snapshot())
             return True
         if kind == "add":
-            request_id, prompt, params, priority, output_kind, stream, bad_words_ids, lora_request = payload
+            request_id, prompt, params, priority, output_kind, stream, bad_words_ids, lora_request, interval = payload
             if not future.set_running_or_notify_cancel():
                 return True  # its caller left before the add was applied: nothing to add
             try:
                 self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=output_kind,
-                                        bad_words_ids=bad_words_ids, lora_request=lora_request)
+                                        bad_words_ids=bad_words_ids, lora_request=lora_request,
+                                        checkpoint_interval_s=interval)
             except BaseException as exc:  # bad input: only this request fails
                 future.set_exception(exc)
             else:

@@ -9,7 +9,7 @@ from typing import Any
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
-from pagedserve.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedserve.engine.output_processor import CHECKPOINT_INTERVAL_S, OutputKind, OutputProcessor, ParentRequest
 from pagedserve.engine.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -51,11 +51,13 @@ class LLMEngine:
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         bad_words_ids: list[list[int]] | None = None,
         lora_request: LoRARequest | None = None,
+        checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S,
     ) -> None:
         """Validate and queue a request; raises ValueError (naming the field) on bad input. With
         PoolingParams it is an embedding request: one finished `EmbeddingRequestOutput` reports it.
         `bad_words_ids`: `params.bad_words` already tokenized (else they are tokenized here).
-        `lora_request`: the LoRA adapter it runs under (None: the base model)."""
+        `lora_request`: the LoRA adapter it runs under (None: the base model). `checkpoint_interval_s`:
+        an `OutputKind.CHECKPOINT` request's seconds between outputs."""
         if request_id in self._children or request_id in self.output_processor.states or request_id in self._embeddings:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = time.time() if arrival_time is None else arrival_time
@@ -70,7 +72,7 @@ class LLMEngine:
         if params.n == 1:
             self.output_processor.add_request(
                 request_id, text, request.prompt_token_ids, params, arrival_time, output_kind,
-                prefilled_output_ids=request.output_token_ids,
+                prefilled_output_ids=request.output_token_ids, checkpoint_interval_s=checkpoint_interval_s,
             )
             self.engine_core.add_request(request)
             return
@@ -83,7 +85,8 @@ class LLMEngine:
             _, child = self.processor.process(child_id, child_prompt, child_params, priority, arrival_time,
                                               request.bad_words_token_ids, lora_request)
             self.output_processor.add_request(
-                child_id, text, request.prompt_token_ids, child_params, arrival_time, output_kind, parent, index
+                child_id, text, request.prompt_token_ids, child_params, arrival_time, output_kind, parent, index,
+                checkpoint_interval_s=checkpoint_interval_s,
             )
             self.engine_core.add_request(child)
             children.append(child_id)

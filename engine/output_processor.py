@@ -4,9 +4,9 @@ Owns detokenization, stop strings, logprob bookkeeping, and the fan-in of `n > 1
 requests into one output with n completions.
 
 Work is done only for outputs someone reads this step. A request whose output nobody reads
-before it finishes (FINAL_ONLY) and that has no stop strings is not detokenized while it runs:
-its text is decoded once when it finishes, batched with the other requests finishing in the
-same step. Streams (DELTA, CUMULATIVE) and requests with stop strings are detokenized
+before it finishes (FINAL_ONLY, CHECKPOINT) and that has no stop strings is not detokenized while
+it runs: its text is decoded once when it finishes, batched with the other requests finishing in
+the same step. Streams (DELTA, CUMULATIVE) and requests with stop strings are detokenized
 incrementally. Logprob entries stay raw (ids, floats) until an output carries them; then the
 step's entries are decoded in one batched call (cached per token id).
 """
@@ -29,6 +29,18 @@ class OutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries everything so far
     DELTA = 1  # every output carries only what is new (streaming)
     FINAL_ONLY = 2  # one output, when the request is done (LLM.generate)
+    # Deltas, at most one per checkpoint interval (and the finished one), the text decoded once into the
+    # finishing delta (the deltas before it carry token ids and ""): for a caller that reads only the end
+    # but must know what was generated so far (a serving router that continues the request elsewhere if
+    # this engine dies), at about the cost of FINAL_ONLY.
+    CHECKPOINT = 3
+
+
+# OutputKinds whose outputs carry only what is new; those whose reader does not see the text grow.
+DELTA_KINDS = (OutputKind.DELTA, OutputKind.CHECKPOINT)
+READ_AT_END_KINDS = (OutputKind.FINAL_ONLY, OutputKind.CHECKPOINT)
+# A CHECKPOINT request's default interval between outputs.
+CHECKPOINT_INTERVAL_S = 1.0
 
 
 RequestOutputKind = OutputKind  # vLLM's name
@@ -58,6 +70,8 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
     token_ids: list[int] = field(default_factory=list)
+    checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S
+    next_checkpoint: float = 0.0  # a CHECKPOINT request reports nothing unfinished before this time
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -99,12 +113,14 @@ class OutputProcessor:
         parent: ParentRequest | None = None,
         index: int = 0,
         prefilled_output_ids: list[int] = (),
+        checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S,
     ) -> None:
         """`prefilled_output_ids`: a prefill/decode continuation's first output tokens, which its client
         already has: they count and shape the text (stop strings, detokenization) but DELTA outputs start
-        after them (and carry no logprobs for them)."""
+        after them (and carry no logprobs for them). `checkpoint_interval_s`: a CHECKPOINT request's
+        seconds between outputs."""
         want_logprobs = params.logprobs is not None
-        incremental = params.detokenize and (output_kind != OutputKind.FINAL_ONLY or bool(params.stop))
+        incremental = params.detokenize and (output_kind not in READ_AT_END_KINDS or bool(params.stop))
         detokenizer = None
         if incremental:
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self.info)
@@ -121,6 +137,8 @@ class OutputProcessor:
             logprobs=[] if want_logprobs else None,
             cumulative_logprob=0.0 if want_logprobs else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            checkpoint_interval_s=checkpoint_interval_s,
+            next_checkpoint=time.time() + checkpoint_interval_s,
         )
         if prefilled_output_ids:
             state.token_ids = list(prefilled_output_ids)
@@ -167,6 +185,10 @@ class OutputProcessor:
                 del self.states[state.request_id]
             elif state.output_kind == OutputKind.FINAL_ONLY:
                 continue  # nobody reads this request before it finishes
+            elif state.output_kind == OutputKind.CHECKPOINT:
+                if now < state.next_checkpoint:
+                    continue  # its tokens go out with the next checkpoint
+                state.next_checkpoint = now + state.checkpoint_interval_s
             to_report.append((state, finish_reason, stop_reason))
         self._materialize(to_report)
         request_outputs: list[RequestOutput] = []
@@ -270,7 +292,7 @@ class OutputProcessor:
         kind = state.output_kind
         if kind == OutputKind.FINAL_ONLY and not finished:
             return None
-        completion = self._completion(state, finish_reason, stop_reason, delta=kind == OutputKind.DELTA)
+        completion = self._completion(state, finish_reason, stop_reason, delta=kind in DELTA_KINDS)
         parent = state.parent
         if parent is None:
             completions = [completion]
@@ -286,12 +308,12 @@ class OutputProcessor:
                 if not all_finished:
                     return None
                 completions = [parent.children[i] for i in sorted(parent.children)]
-            elif kind == OutputKind.DELTA:
+            elif kind in DELTA_KINDS:
                 completions = [completion]
             else:
                 completions = [parent.children[i] for i in sorted(parent.children)]
         prompt_logprobs = None
-        if state.prompt_logprobs is not None and (kind != OutputKind.DELTA or not state.prompt_logprobs_returned):
+        if state.prompt_logprobs is not None and (kind not in DELTA_KINDS or not state.prompt_logprobs_returned):
             prompt_logprobs = state.prompt_logprobs
             state.prompt_logprobs_returned = True
         return RequestOutput(

@@ -6,6 +6,8 @@
   `free_queue(host)` ends them and restores the bound.
 - `fail_requests(host, on)`: every request fails in the engine's sampling step (the model runner's
   fault injector), as a broken engine that still answers its health check would fail them.
+- `slow_steps(host, seconds)`: every step takes `seconds` longer per request in it (0: no longer), as on a
+  slower machine or a bigger model: a long request then outlives a graceful window on any machine.
 """
 
 from __future__ import annotations
@@ -77,3 +79,11 @@ def _fail(stage: str, request_id: str) -> None:
 
 def fail_requests(host, on: bool) -> None:
     host.engine.engine.engine_core.executor.worker.set_fault_injector(_fail if on else None)
+
+
+def slow_steps(host, seconds: float) -> None:
+    def slow(stage: str, request_id: str) -> None:
+        if stage == "forward":
+            time.sleep(seconds)
+
+    host.engine.engine.engine_core.executor.worker.set_fault_injector(slow if seconds > 0 else None)

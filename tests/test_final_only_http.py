@@ -1,5 +1,7 @@
-"""Non-streaming HTTP requests ask their engines for the finished output only (OutputKind.FINAL_ONLY),
-and answer exactly what they answered when every request streamed DELTA outputs to the server.
+"""Non-streaming HTTP requests ask their engine hosts for the finished output only (`final_only`): the
+host runs them `OutputKind.CHECKPOINT`: deltas merged by the engine, one output per checkpoint interval
+(what a migration continues from), without per-step detokenization, their text decoded once at the end; they answer exactly what they answered when every request streamed DELTA
+outputs to the server.
 
 "The old way" is the same app over the same engine with a coordinator that drops `final_only`: every
 request then streams DELTA outputs that the server joins (`streams.collect`), as before the change.
@@ -62,15 +64,23 @@ def clients(server):
         yield new, old
 
 
+FINAL = OutputKind.CHECKPOINT  # what an engine is asked for a final_only request
+
+
+def asked(args: tuple, kwargs: dict) -> OutputKind | str:
+    """What an `AsyncLLM.generate(prompt, params, ...)` call asks for: its output kind."""
+    return kwargs.get("output_kind")
+
+
 @pytest.fixture
-def kinds(server, monkeypatch) -> list[OutputKind]:
-    """The output kind of every request the engine is asked for from now on."""
-    seen: list[OutputKind] = []
+def kinds(server, monkeypatch) -> list[OutputKind | str]:
+    """What the engine is asked for (`asked`), for every request from now on."""
+    seen: list[OutputKind | str] = []
     engine = server.actor.engine
     real = engine.generate
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("output_kind"))
+        seen.append(asked(args, kwargs))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "generate", spy)
@@ -112,7 +122,7 @@ def test_completion_bodies_equal_the_old_way(clients, kinds, extra):
     assert as_bytes(new) == as_bytes(old)
     assert new["usage"]["completion_tokens"] == 12 * len(new["choices"])
     num_prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
-    assert kinds == [OutputKind.FINAL_ONLY] * num_prompts + [OutputKind.DELTA] * num_prompts
+    assert kinds == [FINAL] * num_prompts + [OutputKind.DELTA] * num_prompts
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -141,9 +151,12 @@ def test_chat_bodies_equal_the_old_way(clients, extra):
     assert as_bytes(new) == as_bytes(old)
 
 
-def test_a_non_streaming_request_is_not_detokenized_per_step(server, clients, kinds, monkeypatch):
-    """FINAL_ONLY reaches the engine: no incremental detokenizer is built for it, and its engine
-    stream is one output per prompt; a streaming request still gets DELTA outputs, one per step."""
+@pytest.mark.parametrize("checkpoint_s", [3600.0, 0.0])
+def test_a_non_streaming_request_is_not_detokenized_per_step(server, clients, kinds, monkeypatch, checkpoint_s):
+    """A final_only request builds no incremental detokenizer, and its engine stream is one output per
+    checkpoint interval (when the request is shorter, only its finish: one output per choice at most; one per
+    step at 0 s), joined into the
+    same answer; a streaming request still gets DELTA outputs, one per step."""
     built: list[int] = []
     real = output_processor.IncrementalDetokenizer
 
@@ -153,17 +166,24 @@ def test_a_non_streaming_request_is_not_detokenized_per_step(server, clients, ki
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(output_processor, "IncrementalDetokenizer", Counted)
-    new, _ = clients
+    monkeypatch.setattr(server.actor, "final_only_checkpoint_s", checkpoint_s)
+    new, old = clients
     before = server.actor._num_stream_outputs
     body = {"model": MODEL, **COMPLETION, "n": 2, "temperature": 0.7, "seed": 1}
-    assert new.post("/v1/completions", json=body).status_code == 200
-    assert kinds == [OutputKind.FINAL_ONLY] and not built
-    assert server.actor._num_stream_outputs - before == 1  # the finished output alone (both choices)
+    response = new.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    assert kinds == [FINAL] and not built
+    sent = server.actor._num_stream_outputs - before
+    # Shorter than the interval: each choice's finished output (merged when they finish together), or the steps'.
+    assert 1 <= sent <= 2 if checkpoint_s else sent > 2
+    assert as_bytes(response.json()) == as_bytes(post(old, "/v1/completions", body))
+    kinds.clear()
+    built.clear()
     before = server.actor._num_stream_outputs
     with new.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         assert response.status_code == 200
         assert sum(line.startswith("data: {") for line in response.iter_lines()) > 2
-    assert kinds == [OutputKind.FINAL_ONLY, OutputKind.DELTA] and len(built) == 2
+    assert kinds == [OutputKind.DELTA] and len(built) == 2
     assert server.actor._num_stream_outputs - before > 2
 
 
@@ -230,6 +250,22 @@ def test_final_only_timer_dates_the_first_token_from_the_engines_record():
         assert recorder.first[0] >= 10.0 and recorder.gaps == []
 
 
+def test_final_only_timer_counts_every_token_of_checkpointed_outputs_once():
+    """A final_only request's checkpoints: the first dated from the engine's record, every token a gap
+    after the first, the usage what all outputs carried."""
+    recorder = Recorder()
+    start = time.perf_counter() - 10.0
+    timer = RequestTimer(recorder, 2, start=start, final_only=True)  # type: ignore[arg-type]
+    checkpoint = _final(4, first=100.0, last=103.0)
+    checkpoint.finished, checkpoint.outputs[0].finish_reason = False, None
+    timer.on_output(checkpoint)
+    timer.on_output(_final(3, first=100.0, last=106.0))
+    (ttft,) = recorder.first
+    assert 6.0 <= ttft < 7.5 and not recorder.finished[1:]
+    assert len(recorder.gaps) == 3 + 3 and all(g >= 0 for g in recorder.gaps)
+    assert recorder.finished[0][2] == 7
+
+
 def test_the_serve_engine_client_asks_its_replica_for_the_final_output(tiny_llama, monkeypatch):
     """ServeEngineClient -> engine deployment -> engine actor -> AsyncLLM, in-process (a fake handle):
     the prompt stays the router's second positional argument and `final_only` travels as a keyword."""
@@ -237,10 +273,10 @@ def test_the_serve_engine_client_asks_its_replica_for_the_final_output(tiny_llam
                                 "block_size": 4})
     handle = FakeHandle(replica)
 
-    kinds: list[OutputKind] = []
+    kinds: list[OutputKind | str] = []
     real = replica.engine.generate
-    monkeypatch.setattr(replica.engine, "generate",
-                        lambda *a, **k: (kinds.append(k.get("output_kind")), real(*a, **k))[1])
+    monkeypatch.setattr(replica.engine, "generate", lambda *a, **k: (kinds.append(asked(a, k)), real(*a, **k))[1])
+    replica.final_only_checkpoint_s = 3600.0  # (the request is shorter: one output)
     client = ServeEngineClient(handle, "app", "engine")
 
     async def run(final_only: bool) -> list[RequestOutput]:
@@ -251,7 +287,7 @@ def test_the_serve_engine_client_asks_its_replica_for_the_final_output(tiny_llam
         final, deltas = asyncio.run(run(True)), asyncio.run(run(False))
     finally:
         replica.shutdown()
-    assert kinds == [OutputKind.FINAL_ONLY, OutputKind.DELTA]
+    assert kinds == [FINAL, OutputKind.DELTA]
     assert [args[1] for args, _ in handle.calls] == [[5, 6, 7, 8, 9]] * 2
     assert [kwargs["final_only"] for _, kwargs in handle.calls] == [True, False]
     assert len(final) == 1 and final[0].finished and len(deltas) > 1
@@ -275,16 +311,16 @@ def test_pd_uses_final_only_where_its_decode_computes_everything(pd, monkeypatch
     """n > 1 and prompt-logprob requests: the decode engine is asked for the final output alone; an
     n == 1 continuation and every prefill stay DELTA. Every answer equals the monolithic old way."""
     mono, local_pd = pd
-    kinds: dict[str, list[OutputKind]] = {"prefill": [], "decode": []}
+    kinds: dict[str, list[OutputKind | str]] = {"prefill": [], "decode": []}
     for role, seen in kinds.items():
         engine = getattr(local_pd, role).engine
         real = engine.generate
         monkeypatch.setattr(engine, "generate", lambda *a, _real=real, _seen=seen, **k: (
-            _seen.append(k.get("output_kind")), _real(*a, **k))[1])
+            _seen.append(asked(a, k)), _real(*a, **k))[1])
     prompt = [(7 * k) % 480 + 10 for k in range(17)]
     cases = [({"n": 1, "temperature": 0, "logprobs": 1}, (OutputKind.DELTA, OutputKind.DELTA)),
-             ({"n": 2, "temperature": 0.9, "seed": 4, "logprobs": 1}, (OutputKind.DELTA, OutputKind.FINAL_ONLY)),
-             ({"n": 1, "temperature": 0, "prompt_logprobs": 1}, (None, OutputKind.FINAL_ONLY))]
+             ({"n": 2, "temperature": 0.9, "seed": 4, "logprobs": 1}, (OutputKind.DELTA, FINAL)),
+             ({"n": 1, "temperature": 0, "prompt_logprobs": 1}, (None, FINAL))]
     with local_pd.test_client() as pd_client, old_way_client(mono.serving) as mono_old:
         for extra, (prefill_kind, decode_kind) in cases:
             kinds["prefill"].clear()
@@ -298,3 +334,37 @@ def test_pd_uses_final_only_where_its_decode_computes_everything(pd, monkeypatch
     for free, total, held in local_pd.wait_idle():
         assert (free, held) == (total, 0)
 
+
+
+def test_a_final_only_request_aborted_or_left_mid_generation_frees_its_blocks(tiny_llama):
+    """The engine host's checkpointed final_only stream still races abort() and still aborts its engine
+    request when its reader leaves: every KV block is free after both."""
+    host = EngineHost({"model": str(tiny_llama), "dtype": "float32", "kv_cache_memory": "8MiB", "block_size": 4})
+    host.final_only_checkpoint_s = 0.0
+    params = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[RequestOutput]:
+        outputs = []
+        async for out in host.generate("to-abort", [5, 6, 7, 8, 9], params, final_only=True):
+            outputs.append(out)
+            if len(outputs) == 2:
+                await host.abort_requests(["to-abort"])
+        stream = host.generate("left", [5, 6, 7, 8, 9], params, final_only=True)
+        async for _ in stream:
+            break
+        await stream.aclose()
+        return outputs
+
+    try:
+        outputs = asyncio.run(run())
+        deadline = time.monotonic() + 30
+        while True:
+            stats = host.engine.get_stats().scheduler
+            if stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+    finally:
+        host.shutdown()
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert 0 < sum(len(o.outputs[0].token_ids) for o in outputs) < 400

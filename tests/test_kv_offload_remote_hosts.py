@@ -63,7 +63,9 @@ def _wait_all_free(host: EngineHost, deadline_s: float = 30.0) -> None:
 
 async def _generate(host: EngineHost, rid: str, prompt: list[int], **kwargs):
     outputs = [o async for o in host.generate(rid, prompt, PARAMS, final_only=True, **kwargs)]
-    return outputs[-1]
+    for later in outputs[1:]:  # (a final_only stream may send checkpoints before its finish)
+        outputs[0].add(later)
+    return outputs[0]
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """`MigratingClient` (cluster/serve/migration.py) over a real engine, without Ray: an inner client whose
 streams die on command (`EngineDeadError`, as a replica's death surfaces) is wrapped, and what the
 wrapper streams equals an uninterrupted run: the same tokens, text, finish reason and logprobs, no
-error, each token once; `final_only` requests restart; `max_migrations` bounds it all with a clean
-error; the counts reach /metrics."""
+error, each token once; `final_only` requests (run `OutputKind.CHECKPOINT` as the engine host does:
+deltas merged per checkpoint, their text decoded at the end) continue the same way; `max_migrations` bounds it all with
+a clean error; the counts reach /metrics."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ class FlakyClient:
     """An EngineClient over one AsyncLLM. `faults` is consumed one entry per submitted stream: an int k
     kills that stream (EngineDeadError) once it has delivered k tokens or more and has more to deliver
     (the engine merges steps into one output when its reader lags, so a kill lands between outputs), an
-    exception instance is raised before its first output, None lets it run."""
+    exception instance is raised before its first output, None lets it run. A `final_only` stream is
+    what an engine host sends for one: CHECKPOINT deltas every `checkpoint_s`, texts decoded at the end."""
+
+    checkpoint_s = 0.0
 
     def __init__(self, engine: AsyncLLM, faults: list | None = None) -> None:
         self.engine = engine
@@ -44,9 +48,10 @@ class FlakyClient:
         fault = self.faults.pop(0) if self.faults else None
         if isinstance(fault, BaseException):
             raise fault
-        kind = OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA
-        stream = self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, SamplingParams(**sampling_params),
-                                      request_id=request_id, priority=priority, output_kind=kind)
+        params = SamplingParams(**sampling_params)
+        kind = OutputKind.CHECKPOINT if final_only else OutputKind.DELTA
+        stream = self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id,
+                                      priority=priority, output_kind=kind, checkpoint_interval_s=self.checkpoint_s)
         delivered = 0
         try:
             async for output in stream:
@@ -168,24 +173,34 @@ def test_a_stop_string_straddling_the_seam(engine):
     asyncio.run(run())
 
 
-def test_final_only_requests_restart(engine):
-    params = SamplingParams(temperature=0.8, seed=99, max_tokens=12, ignore_eos=True).model_dump()
+@pytest.mark.parametrize("case", [*CASES, "stop"])
+def test_a_final_only_request_killed_twice_continues_to_the_uninterrupted_answer(engine, case):
+    """A non-streamed request continues from the tokens its dead engines had sent (not from scratch):
+    its answer is the one an uninterrupted run gives, streamed or not."""
+    params = SamplingParams(**CASES.get(case, CASES["greedy"])).model_dump()
 
     async def run() -> None:
+        if case == "stop":  # a stop string from where the second kill lands: it straddles a seam
+            tokens = (await _collect(FlakyClient(engine), params))[0]["tokens"]
+            params["stop"] = [engine.tokenizer.decode(tokens)[len(engine.tokenizer.decode(tokens[:8])):][:3]]
         want = await _collect(FlakyClient(engine), params, final_only=True)
-        inner = FlakyClient(engine, faults=[0, EngineStoppedError("draining")])
-        client = MigratingClient(inner)
+        _assert_same(want, await _collect(FlakyClient(engine), params))
+        inner = FlakyClient(engine, faults=[4, 3, EngineStoppedError("draining")])
+        client = MigratingClient(inner, max_migrations=3)
         got = await _collect(client, params, final_only=True)
         _assert_same(got, want)
-        assert [final for _, _, final in inner.submitted] == [True, True, True]
-        assert all(p.get("resume_output_token_ids") is None for _, p, _ in inner.submitted)
-        assert client.num_migrations == 2
+        assert all(final for _, _, final in inner.submitted)
+        resumed = [p["resume_output_token_ids"] or [] for _, p, _ in inner.submitted[1:]]
+        assert client.num_migrations >= 1 and any(resumed)  # continued, not restarted
+        if case == "json":
+            assert is_valid("json", got[0]["text"])
         await _wait_blocks_free(engine)
 
     asyncio.run(run())
 
 
-def test_max_migrations_exhausted_is_a_clean_error(engine):
+@pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final_only"])
+def test_max_migrations_exhausted_is_a_clean_error(engine, final_only, caplog):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True).model_dump()
 
     async def run() -> None:
@@ -193,16 +208,20 @@ def test_max_migrations_exhausted_is_a_clean_error(engine):
         client = MigratingClient(FlakyClient(engine, faults=[2, 0, 0]), max_migrations=2)
         seen: list[int] = []
         with pytest.raises(EngineDeadError, match="migrated 2 times"):
-            async for out in client.generate("req", PROMPT, params):
+            async for out in client.generate("req-7", PROMPT, params, final_only=final_only):
                 seen += out.outputs[0].token_ids
         assert len(seen) >= 2 and seen == want[:len(seen)]  # what the first attempt delivered, once
         assert client.num_migrations == 2 and client.num_migration_failures == 1
         none = MigratingClient(FlakyClient(engine, faults=[0]), max_migrations=0)
         with pytest.raises(EngineDeadError, match="migrated 0 times"):
-            await _collect(none, params)
+            await _collect(none, params, final_only=final_only)
         await _wait_blocks_free(engine)
 
-    asyncio.run(run())
+    with caplog.at_level("WARNING", logger="pagedserve.cluster.serve.migration"):
+        asyncio.run(run())
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("request req-7:" in m and "migrating it" in m for m in logged) == 2
+    assert any("request req-7:" in m and "giving up" in m for m in logged)
 
 
 def test_a_refused_request_is_retried_then_the_refusal_stands(engine):
@@ -271,9 +290,9 @@ def test_a_draining_engine_hands_its_unfinished_requests_over(engine, tiny_llama
         draining.shutdown()
 
 
-def test_a_final_only_request_that_failed_after_some_outputs_restarts_without_leftovers():
-    """A PD request streams its first-token delta and continuation even for a caller that reads only the end:
-    when such a try dies after some outputs, the restart's outputs alone reach the caller."""
+def test_a_final_only_request_that_failed_after_some_outputs_continues_after_them():
+    """A PD request streams its first-token delta even for a caller that reads only the end: when such a
+    try dies after it, the next try continues from that token, which reaches the caller once."""
     from pagedserve.engine.outputs import CompletionOutput
 
     def delta(tokens: list[int], finished: bool) -> RequestOutput:
@@ -284,13 +303,14 @@ def test_a_final_only_request_that_failed_after_some_outputs_restarts_without_le
                              outputs=[completion], finished=finished)
 
     class DiesOnce:
-        tries = 0
+        params: list[dict] = []
 
         async def generate(self, request_id, prompt_token_ids, params, priority=0, final_only=False,
                            cache_salt=None):
-            DiesOnce.tries += 1
-            yield delta([7], False)
-            if DiesOnce.tries == 1:
+            assert final_only
+            DiesOnce.params.append(params)
+            if len(DiesOnce.params) == 1:
+                yield delta([7], False)
                 raise EngineDeadError("the decode replica died")
             yield delta([8, 9], True)
 
@@ -299,5 +319,6 @@ def test_a_final_only_request_that_failed_after_some_outputs_restarts_without_le
         return [o async for o in client.generate("x", [1, 2], {"max_tokens": 3}, final_only=True)]
 
     outputs = asyncio.run(run())
-    assert [o.outputs[0].token_ids for o in outputs] == [[7], [8, 9]]  # the second try's, once
-    assert all(o.request_id == "x" for o in outputs) and DiesOnce.tries == 2
+    assert [o.outputs[0].token_ids for o in outputs] == [[7], [8, 9]]
+    assert all(o.request_id == "x" for o in outputs)
+    assert [p.get("resume_output_token_ids") for p in DiesOnce.params] == [None, [7]]

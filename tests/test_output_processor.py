@@ -62,3 +62,43 @@ def test_stop_string_on_the_last_allowed_token_reports_stop(tokenizer):
     assert stopped_at is None  # already finished by the engine: nothing more to stop
     completion = outputs[-1].outputs[0]
     assert (completion.finish_reason, completion.stop_reason, completion.text) == ("stop", "\n", " fox fox")
+
+
+@pytest.mark.parametrize("stop", [None, ["\n"]])
+def test_checkpoint_outputs_are_deltas_per_interval_that_join_to_the_final_only_answer(tokenizer, monkeypatch, stop):
+    """CHECKPOINT: nothing before the interval is up, then one delta of every token since the last one,
+    and the finished delta; the text is decoded once into the finishing delta (incrementally only with
+    stop strings); joined, the deltas equal the FINAL_ONLY output of the same tokens."""
+    from pagedserve.engine import output_processor
+
+    fox = tokenizer.encode(" fox", add_special_tokens=False)
+    jumps = tokenizer.encode(" jumps", add_special_tokens=False)
+    tokens = (fox + jumps) * 5
+    clock = [1000.0]
+    monkeypatch.setattr(output_processor.time, "time", lambda: clock[0])
+    params = SamplingParams(max_tokens=len(tokens), stop=stop, logprobs=1 if stop is None else None)
+    answers = {}
+    for kind in (OutputKind.CHECKPOINT, OutputKind.FINAL_ONLY):
+        processor = OutputProcessor(tokenizer)
+        processor.add_request("r", None, [5, 6, 7], params, arrival_time=0.0, output_kind=kind,
+                              checkpoint_interval_s=3.0)
+        outputs = []
+        for step, token in enumerate(tokens):
+            clock[0] += 1.0  # three steps per interval
+            finish = "length" if step == len(tokens) - 1 else None
+            logprobs = [[(token, -0.5, 1)]] if params.logprobs is not None else None
+            outs, _ = processor.process_outputs([EngineCoreOutput("r", [token], finish_reason=finish,
+                                                                  new_logprobs=logprobs)])
+            outputs += outs
+        answers[kind] = outputs
+        assert not processor.has_unfinished_requests()
+    checkpoints, (final,) = answers[OutputKind.CHECKPOINT], answers[OutputKind.FINAL_ONLY]
+    assert [sum(len(o.outputs[0].token_ids) for o in checkpoints[: i + 1]) for i in range(len(checkpoints))] == \
+        [3, 6, 9, 10]
+    assert [o.finished for o in checkpoints] == [False, False, False, True]
+    joined = [t for o in checkpoints for t in o.outputs[0].token_ids]
+    assert joined == final.outputs[0].token_ids == tokens
+    assert "".join(o.outputs[0].text for o in checkpoints) == final.outputs[0].text == tokenizer.decode(tokens)
+    if stop is None:
+        assert all(o.outputs[0].text == "" for o in checkpoints[:-1])  # decoded once, at the end
+        assert [lp for o in checkpoints for lp in o.outputs[0].logprobs] == final.outputs[0].logprobs

@@ -1,4 +1,4 @@
-"""PD faults over the real PD client (in-process: one prefill engine and two decode engines, the in-process
+"""PD faults over the real PD client (in-process: two prefill engines and two decode engines, the in-process
 KV transport, no Ray), each engine's RPC handle able to die the way a lost replica's does (RayActorError).
 
 - The decode engine dies before its first output: the decode leg goes to the other decode engine with
@@ -7,8 +7,9 @@ KV transport, no Ray), each engine's RPC handle able to die the way a lost repli
   connector computes the prompt instead, as for any failed load: kv_transfer's own tests.)
 - The decode engine dies mid-stream: `MigratingClient` continues the request on the other decode engine
   from the delivered tokens (recomputed: the hold went at the first output).
-- The prefill engine dies before handing over: the request is computed on a decode engine (counted as a
-  prefill fallback), with the same answer.
+- A prefill engine dies before handing over: the prefill leg goes to another prefill engine (counted as
+  a prefill retry), with the same answer; when that one fails too, the request is computed on a decode
+  engine (counted as a prefill fallback), with the same answer.
 Every KV block is free and nothing is held afterwards.
 """
 
@@ -38,11 +39,12 @@ PARAMS = [
 
 @dataclass
 class Death:
-    """When an engine goes: after `after_outputs` outputs (0: before the first) of the first request that
-    reaches one of the engines it was put on."""
+    """When an engine goes: after `after_outputs` outputs (0: before the first) of the first request (the
+    first `calls` requests) that reaches one of the engines it was put on."""
 
     after_outputs: int
-    victim: Any = None  # the handle that died
+    victim: Any = None  # the handle that died (last)
+    calls: int = 1
 
 
 class Dies:
@@ -64,8 +66,9 @@ class Dies:
             @staticmethod
             def remote(*args: Any, **kwargs: Any) -> Any:
                 death = outer.death
-                if death is None or death.victim is not None:
+                if death is None or death.calls == 0:
                     return outer.inner.generate.remote(*args, **kwargs)
+                death.calls -= 1
                 death.victim = outer
 
                 async def stream():
@@ -92,25 +95,26 @@ def kill(handles: list[Dies], death: Death) -> Death:
 
 
 class PD:
-    """A prefill engine (producer "prefill-0") and two decode engines behind the PD client."""
+    """Two prefill engines (producers "prefill-0", "prefill-1") and two decode engines behind the PD client."""
 
     def __init__(self, model: str) -> None:
         base = {"model": model, "dtype": "float32", "kv_cache_memory": "16MiB", "block_size": 4}
         extra = {"kv_connector_extra_config": {"hold_timeout_s": 120.0}}
-        self.prefill = EngineHost({**base, "kv_transfer_config": {
-            "kv_connector": "inproc", "kv_role": "kv_producer", "engine_id": "prefill-0", **extra}}, 0,
-            max_pending_requests=64)
+        names = ["prefill-0", "prefill-1"]
+        self.prefills = [EngineHost({**base, "kv_transfer_config": {
+            "kv_connector": "inproc", "kv_role": "kv_producer", "engine_id": name, **extra}}, i,
+            max_pending_requests=64) for i, name in enumerate(names)]
         self.decodes = [EngineHost({**base, "kv_transfer_config": {
-            "kv_connector": "inproc", "kv_role": "kv_consumer", **extra}}, 1 + i, max_pending_requests=64)
+            "kv_connector": "inproc", "kv_role": "kv_consumer", **extra}}, 2 + i, max_pending_requests=64)
             for i in range(2)]
-        self.prefill_handle = Dies(LocalHandle(self.prefill))
+        self.prefill_handles = [Dies(LocalHandle(engine)) for engine in self.prefills]
         self.decode_handles = [Dies(LocalHandle(engine)) for engine in self.decodes]
-        self.client = PDClient.over_actors([self.prefill_handle], self.decode_handles, ["prefill-0"],
+        self.client = PDClient.over_actors(self.prefill_handles, self.decode_handles, names,
                                            prefill_block_size=4, decode_block_size=4, stats_interval_s=0.05)
         self.client.start()
 
     def engines(self) -> list[EngineHost]:
-        return [self.prefill, *self.decodes]
+        return [*self.prefills, *self.decodes]
 
     def kv(self, engine: EngineHost) -> dict:
         return dict(engine.engine.get_stats().scheduler.kv_transfer or {})
@@ -141,7 +145,7 @@ def pd(tiny_model_factory):
 def idle_after(pd):
     yield
     pd.revive()
-    for handle in (pd.prefill_handle, *pd.decode_handles):
+    for handle in (*pd.prefill_handles, *pd.decode_handles):
         handle.death = None
     for free, total, held in pd.wait_idle():
         assert (free, held) == (total, 0)
@@ -207,16 +211,36 @@ def test_decode_lost_mid_stream_migrates_to_the_other_decode_engine(pd, params):
     asyncio.run(run())
 
 
-def test_prefill_lost_before_handover_is_computed_on_a_decode_engine(pd):
+def test_prefill_lost_before_handover_is_retried_on_another_prefill_engine(pd):
+    params = SamplingParams(**PARAMS[1]).model_dump()
+
+    async def run() -> None:
+        want = await collect(MigratingClient(pd.client), params, next_id())
+        counters = pd.client.counters
+        retries, fallbacks, loads = counters.prefill_retries, counters.prefill_fallbacks, totals(pd, "loads")
+        death = kill(pd.prefill_handles, Death(0))  # whichever prefill engine the request reaches first
+        client = MigratingClient(pd.client)
+        got = await collect(client, params, next_id())
+        assert death.victim is not None and got == want
+        assert (counters.prefill_retries, counters.prefill_fallbacks) == (retries + 1, fallbacks)
+        assert client.num_migrations == 0
+        assert totals(pd, "loads") == loads + 1  # the decode engine read the KV the retried prefill held
+
+    asyncio.run(run())
+
+
+def test_a_prefill_pool_that_keeps_failing_is_computed_on_a_decode_engine(pd):
     params = SamplingParams(**PARAMS[0]).model_dump()
 
     async def run() -> None:
         want = await collect(MigratingClient(pd.client), params, next_id())
-        fallbacks = pd.client.counters.prefill_fallbacks
-        death = kill([pd.prefill_handle], Death(0))
+        counters = pd.client.counters
+        retries, fallbacks = counters.prefill_retries, counters.prefill_fallbacks
+        death = kill(pd.prefill_handles, Death(0, calls=2))  # the first try and its retry
         client = MigratingClient(pd.client)
         got = await collect(client, params, next_id())
-        assert death.victim is pd.prefill_handle and got == want
-        assert pd.client.counters.prefill_fallbacks == fallbacks + 1 and client.num_migrations == 0
+        assert death.calls == 0 and got == want
+        assert (counters.prefill_retries, counters.prefill_fallbacks) == (retries + 1, fallbacks + 1)
+        assert client.num_migrations == 0
 
     asyncio.run(run())

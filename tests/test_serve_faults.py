@@ -9,7 +9,10 @@ ingress, faults put into the real engines (`engine_faults`, run in the replica's
   report closes the circuit and it serves again.
 - Scale-down (the Serve config deployed again with the engine's `num_replicas` from 2 to 1): the removed
   replica gets no new request; what it holds finishes within the graceful window or (the long ones)
-  migrates to the survivor: no request fails, each gets its reference output.
+  migrates to the survivor: no request fails, each gets its reference output. Serve picks the replica
+  to remove, so both hold long requests first (each sent once the one before runs: the router sends a
+  fresh prompt to the less loaded replica; checked on /metrics), and the engines' steps are slowed so
+  that a long request outlives the window on any machine.
 
 After every test every KV block is free on every replica.
 """
@@ -22,7 +25,7 @@ import time
 import httpx
 import pytest
 
-from tests.engine_faults import fail_requests, fill_queue, free_queue
+from tests.engine_faults import fail_requests, fill_queue, free_queue, slow_steps
 from tests.serve_apps import (
     assert_same, engine_replicas, on_engine, deploy_config, replica_id, run, run_in_background, serve_app,
     wait_engines_running,
@@ -134,12 +137,34 @@ def test_a_replica_failing_every_request_leaves_routing_until_it_recovers(http):
     assert counter(http, "circuit_breaker_opens_total") == opens + 1
 
 
-# In `make test-slow`, not the default run: it needs the long requests spread over both replicas (Serve's
-# downscale picks which one goes), and in 2 of 5 targeted runs on a 2-core machine all four landed on the
-# replica that stayed, so nothing migrated; it passes whenever they spread.
-@pytest.mark.slow
+def requests_on(http: httpx.Client) -> dict[str, float]:
+    """Requests running or waiting on each engine replica (by /metrics label)."""
+    text = http.get("/metrics").text
+    running = metric_samples(text, "pagedserve:engine_num_requests_running")
+    waiting = metric_samples(text, "pagedserve:engine_num_requests_waiting")
+    return {labels: running.get(labels, 0.0) + waiting.get(labels, 0.0) for labels in {*running, *waiting}}
+
+
+def start_on_both_replicas(http: httpx.Client, bodies: list[dict]) -> tuple[list, dict[int, dict]]:
+    """Start the requests one at a time, each once the ones before run in an engine: the router sends
+    each fresh prompt to the less loaded replica, so both replicas hold some (asserted)."""
+    threads: list = []
+    results: dict[int, dict] = {}
+    for index, body in enumerate(bodies):
+        started, got = run_in_background(http, [body], TIMEOUT)
+        threads += started
+        results[index] = got  # (filled when it finishes; flattened below)
+        deadline = time.monotonic() + TIMEOUT
+        while sum(requests_on(http).values()) < index + 1:
+            assert time.monotonic() < deadline, f"long request {index} never ran"
+            time.sleep(0.1)
+    spread = requests_on(http)
+    assert len(spread) == 2 and all(n >= 1 for n in spread.values()), f"not on both replicas: {spread}"
+    return threads, results
+
+
 def test_scale_down_finishes_short_requests_and_migrates_long_ones(app, http):
-    long = {"max_tokens": 1800, "ignore_eos": True}  # seconds: past the graceful window
+    long = {"max_tokens": 1800, "ignore_eos": True, "cache_salt": "drain"}  # fresh prefixes: routed by load
     bodies = [
         {"prompt": PROMPTS[0], "temperature": 0.0, "stream": True, **long},
         {"prompt": PROMPTS[1], "temperature": 0.9, "seed": 4, "stream": True, **long},
@@ -148,27 +173,30 @@ def test_scale_down_finishes_short_requests_and_migrates_long_ones(app, http):
     ]
     short = [{"prompt": PROMPTS[10 + i], "temperature": 0.0, "max_tokens": 8, "stream": i % 2 == 0}
              for i in range(4)]
-    # The references run under another cache salt: run one at a time, they would all leave their prefixes
-    # on one replica, and exact routing would then send every long request after them to that replica
-    # (which may be the one that stays); fresh prefixes sent together spread over both.
     want = [run(http, {**body, "cache_salt": "reference"}) for body in bodies]
     want_short = [run(http, body) for body in short]
     wait_all_blocks_free(http, replicas=2)
     migrations = counter(http, "request_migrations_total")
-
-    threads, results = run_in_background(http, bodies, TIMEOUT)
-    deploy_config(app, deployments=[{"name": f"{APP}-engine", "num_replicas": 1}])
-    # While the removed replica drains, short requests keep coming (and succeed, on the survivor or
-    # within the graceful window on the replica being removed).
-    deadline = time.monotonic() + TIMEOUT
-    while len(engine_replicas(APP)) > 1 or any(thread.is_alive() for thread in threads):
-        assert time.monotonic() < deadline, "the scale-down did not finish"
-        for index, got in enumerate(run_all(http, short)):
-            assert_same(got, want_short[index], f"short request {index}")
-        for thread in threads:
-            thread.join(0.1)
-    for index, body in enumerate(bodies):
-        assert_same(results[index], want[index], f"long request {index}")
+    replicas = [actor for _, actor in engine_replicas(APP)]
+    for replica in replicas:  # ~2 ms a step per request: 1800 tokens take seconds past the window anywhere
+        on_engine(replica, slow_steps, 0.002)
+    try:
+        threads, started = start_on_both_replicas(http, bodies)
+        deploy_config(app, deployments=[{"name": f"{APP}-engine", "num_replicas": 1}])
+        # While the removed replica drains, short requests keep coming (and succeed, on the survivor or
+        # within the graceful window on the replica being removed).
+        deadline = time.monotonic() + TIMEOUT
+        while len(engine_replicas(APP)) > 1 or any(thread.is_alive() for thread in threads):
+            assert time.monotonic() < deadline, "the scale-down did not finish"
+            for index, got in enumerate(run_all(http, short)):
+                assert_same(got, want_short[index], f"short request {index}")
+            for thread in threads:
+                thread.join(0.1)
+    finally:
+        for _, replica in engine_replicas(APP):
+            on_engine(replica, slow_steps, 0.0)
+    for index in range(len(bodies)):
+        assert_same(started[index][0], want[index], f"long request {index}")
     assert counter(http, "request_migrations_total") > migrations, "no long request outlived the window"
     assert counter(http, "request_migration_failures_total") == 0
     wait_engines_running(APP, 1)

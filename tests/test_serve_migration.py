@@ -2,6 +2,8 @@
 replica killed while it streams requests (streamed and not, greedy and seeded, n = 2, logprobs, a stop
 string, a JSON schema) makes no client fail: every one gets exactly the text and tokens of an
 uninterrupted run, with no error event; the migrations are on /metrics; every KV block is free after.
+The non-streamed ones continue from the last checkpoint their engine sent (every 0.05 s here, so that
+the kill lands after some: `EngineHost.final_only_checkpoint_s`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from tests.serve_apps import assert_same, engine_replicas, run, serve_app, wait_engines_running
+from tests.serve_apps import assert_same, engine_replicas, on_engine, run, serve_app, wait_engines_running
 from tests.structured_output_checks import SCHEMA, is_valid
 from tests.test_serve_scaleout import metric, wait_all_blocks_free
 
@@ -64,9 +66,15 @@ def requests_to_kill(http: httpx.Client) -> dict[str, dict]:
     return bodies
 
 
+def set_checkpoint_interval(host, seconds: float) -> None:
+    host.final_only_checkpoint_s = seconds
+
+
 def test_an_engine_replica_killed_mid_stream_fails_no_client(http):
     import ray
 
+    for _, replica in engine_replicas(APP):
+        on_engine(replica, set_checkpoint_interval, 0.05)
     bodies = requests_to_kill(http)
     want = {name: run(http, body) for name, body in bodies.items()}
     assert want["stop"]["choices"][0]["finish_reason"] == "stop"

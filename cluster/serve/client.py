@@ -68,8 +68,8 @@ class ServeEngineClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: dict,
                        priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
                        pooling_params: dict | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs, or with `final_only` only the finished output (the engine then decodes
-        its text once at the end). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
+        """Stream DELTA outputs; with `final_only` merged into one output per checkpoint interval, the
+        text decoded once at the end (`stream_transport.FinalOnlyBatcher`). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
         (the replica died while serving this request). `pooling_params`: an embedding request (one output).
         Closing the iteration early cancels the handle's response, which aborts the request in its engine.
 

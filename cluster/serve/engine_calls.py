@@ -7,10 +7,12 @@ None (or ()): the router then routes without it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from ray.serve.request_router import PendingRequest
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.lora.request import SAMPLING_KEY, pop_lora_request
+
+if TYPE_CHECKING:  # Serve's request-router module loads OpenTelemetry's SDK: not for the coordinator's import
+    from ray.serve.request_router import PendingRequest
 
 
 def request_id_of(pending_request: PendingRequest | None) -> str | None:

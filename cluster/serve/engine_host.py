@@ -5,7 +5,8 @@ engine actors the in-process `DPCoordinator` drives (`engine_actor.start_engine_
 benchmark use, and the PD pools without Serve in `pd_pools`).
 
 Requests: `generate(request_id, prompt, sampling_params, priority, final_only, cache_salt)` streams the
-engine's DELTA `RequestOutput`s (with `final_only`, one finished output). The prompt is token ids (what
+engine's DELTA `RequestOutput`s (with `final_only`, CHECKPOINT deltas: one per checkpoint interval and
+the finish, the text decoded once at the end). The prompt is token ids (what
 the Serve request routers read as the call's second argument) or an engine prompt dict. The prompt goes
 once, in a stream's first output (`stream_transport`); a Ray streaming call pauses when
 `STREAM_BACKPRESSURE_OBJECTS` outputs wait unread. `abort_requests` ends the named streams with one
@@ -63,11 +64,11 @@ from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes, short_hash
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
-from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer, fetch_failures
+from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer, fetch_failures, tier_secret
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.lora.request import pop_lora_request
-from pagedserve.engine.output_processor import OutputKind
+from pagedserve.engine.output_processor import CHECKPOINT_INTERVAL_S, OutputKind
 from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
@@ -190,6 +191,8 @@ class EngineHost:
         self._app_kv_secret = kv_secret
         self._tier_verifier: TierReadVerifier | None = None
         self._tier_fetcher: TierFetcher | None = None
+        # final_only requests: one output per this many seconds (the most generation a migration redoes).
+        self.final_only_checkpoint_s = CHECKPOINT_INTERVAL_S
         self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch_engine, name="engine-watchdog", daemon=True)
         self._watchdog.start()
@@ -233,8 +236,10 @@ class EngineHost:
         kv_tier_peer: dict | None = None,
     ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Stream DELTA outputs, the prompt only in the first (see `stream_transport`). With `final_only`
-        (the caller reads nothing before the end: a non-streaming HTTP request) the stream is one output,
-        the finished one with every token (its text decoded once, not per step). `cache_salt` goes into
+        (the caller reads nothing before the end: a non-streaming HTTP request) the engine runs it
+        `OutputKind.CHECKPOINT`: deltas, one per `final_only_checkpoint_s` and the finished one, each
+        completion's text whole in its finishing delta (decoded once, not per step): what a migration
+        continues from, at about the cost of one finished output. `cache_salt` goes into
         the engine prompt (its prefix-cache hashes). Closing or cancelling the stream aborts the request.
         ValueError (bad input), EngineOverloadedError and EngineDeadError propagate. With `pooling_params`
         (PoolingParams fields) it is an embedding request (`AsyncLLM.encode`): one finished
@@ -268,9 +273,12 @@ class EngineHost:
         if isinstance(params, PoolingParams):
             stream = self.engine.encode(prompt, params, request_id=request_id, priority=priority)
         else:
+            kind = OutputKind.DELTA
+            if final_only:  # (a prompt of text: one finished output, nothing a migration could continue)
+                kind = OutputKind.CHECKPOINT if ids is not None else OutputKind.FINAL_ONLY
             stream = self.engine.generate(prompt, params, request_id=request_id, priority=priority,
-                                          output_kind=OutputKind.FINAL_ONLY if final_only else OutputKind.DELTA,
-                                          lora_request=lora_request)
+                                          output_kind=kind, lora_request=lora_request,
+                                          checkpoint_interval_s=self.final_only_checkpoint_s)
         elide = PromptElider()
         abort_wait = asyncio.ensure_future(aborted.wait())
         next_output: asyncio.Future | None = None
@@ -383,17 +391,7 @@ class EngineHost:
     # ------------------------------------------------------------------ the offload tier across nodes
 
     def _kv_secret(self) -> bytes:
-        """The secret this replica's tier reads are signed and checked with: its kv_transfer_config's
-        kv_secret, else the app's (`kv_secret`), else PAGEDSERVE_KV_SECRET[_FILE] or this process's own
-        (kv_transfer/auth.resolve_secret)."""
-        from pagedserve.kv_transfer.auth import resolve_secret
-        from pagedserve.kv_transfer.config import parse_kv_transfer_config
-
-        kv = self.engine.config.kv_transfer_config
-        config = parse_kv_transfer_config(kv) if kv else None
-        if config is not None and config.kv_secret is not None:
-            return config.secret()
-        return resolve_secret(self._app_kv_secret.get_secret_value() if self._app_kv_secret is not None else None)
+        return tier_secret(self.engine.config.kv_transfer_config, self._app_kv_secret)
 
     async def kv_tier_read(self, namespace: str, hashes: list[bytes], auth: Any,
                            replica: str | None = None) -> dict[bytes, list[bytes]]:

@@ -11,10 +11,11 @@ counts each token once, and `cumulative_logprob` continued token by token from w
 completion of an `n > 1` request that had started continues on its own (its own seed), as the n == 1
 request the engine ran it as; a request that had delivered nothing is resubmitted whole.
 
-Non-streaming requests (`final_only`) are restarted from scratch instead: their client has seen
-nothing, so a fresh run is a correct answer (exactly the same one for greedy and seeded requests),
-and their engines keep answering with one finished output (no per-step detokenization or transport
-in the common, failure-free case) at the price of redoing the lost work when an engine does die.
+Non-streaming requests (`final_only`) migrate the same way: their engines send their token-id deltas
+too, merged into one output per checkpoint interval (`stream_transport.FinalOnlyBatcher`: no per-step
+detokenization or transport), so a continuation starts from the last checkpoint the router received and
+the serving layer joins the deltas of both engines into one answer (`streams.collect`). Only embedding
+requests (one output, nothing to continue from) are computed again.
 
 Each request migrates at most `max_migrations` times, then fails with a clean `EngineDeadError`
 (503 `engine_dead`). A request an engine refuses for load (`EngineOverloadedError`: its queue is full)
@@ -107,9 +108,10 @@ class MigratingClient:
         """The inner client's `generate`, continued on another engine when the one serving it fails. An
         embedding request (`pooling_params`: one output, nothing streamed before it) is computed again."""
         tries = _Tries(request_id)
-        submit = _Submitter(self.inner, list(prompt_token_ids), priority, cache_salt, pooling_params, tries)
+        submit = _Submitter(self.inner, list(prompt_token_ids), priority, cache_salt, final_only, pooling_params,
+                            tries)
         self._issued[request_id] = submit.issued
-        if final_only or pooling_params is not None:
+        if pooling_params is not None:
             stream = self._restarting(tries, submit, sampling_params)
         else:
             stream = self._continuing(tries, submit, sampling_params)
@@ -122,16 +124,15 @@ class MigratingClient:
             self._issued.pop(request_id, None)
 
     async def _restarting(self, tries: _Tries, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
-        """A caller that reads only the end: each try's outputs are kept until it finishes, so that a try
-        that fails after some outputs (a PD request's first-token delta and continuation stay DELTA even
-        for such a caller) leaves nothing behind when the request starts again."""
+        """An embedding request: computed again on another engine; each try's outputs are kept until it
+        finishes, so that a try that fails after some leaves nothing behind."""
         request_id = tries.request_id
         while True:
             leg_id = tries.leg_id()
             self._legs[request_id] = [leg_id]
             outputs: list[RequestOutput] = []
             try:
-                async with contextlib.aclosing(submit(leg_id, params, final_only=True)) as stream:
+                async with contextlib.aclosing(submit(leg_id, params)) as stream:
                     async for output in stream:
                         outputs.append(dataclasses.replace(output, request_id=request_id))
             except (EngineDeadError, EngineOverloadedError) as exc:
@@ -260,15 +261,16 @@ class _Submitter:
     prompt_token_ids: list[int]
     priority: int
     cache_salt: str | None
+    final_only: bool = False
     pooling_params: dict | None = None
     tries: _Tries | None = None
     issued: list[tuple[int, str]] = field(default_factory=list)  # (attempt, inner request id), bounded by the tries
 
-    def __call__(self, request_id: str, params: dict, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+    def __call__(self, request_id: str, params: dict) -> AsyncIterator[RequestOutput]:
         self.issued.append((0 if self.tries is None else self.tries.submissions, request_id))
         extra = {} if self.pooling_params is None else {"pooling_params": self.pooling_params}
         return self.inner.generate(request_id, self.prompt_token_ids, params, self.priority,
-                                   final_only=final_only, cache_salt=self.cache_salt, **extra)
+                                   final_only=self.final_only, cache_salt=self.cache_salt, **extra)
 
 
 @dataclass

@@ -29,8 +29,12 @@ monolithic engine's.
   producer's `hold_timeout_s` frees anything left).
 - n > 1: the decode engine's n children share one hold, which it releases after the last of them has
   loaded; the router's own release waits for the end of the request (not its first output).
-- Faults: a prefill engine that is dead or refuses the request (overloaded) -> the request is
-  computed on a decode engine without remote KV (counted as a fallback). A decode engine that dies
+- Faults: a prefill engine lost before it answered -> the prefill leg goes to another prefill engine
+  where the pool has more than one (`PREFILL_RETRIES` times, counted as `prefill_retries`; the pool's
+  router has passed the lost one over by then, else the retry fails fast). A prefill pool that still
+  fails, or has no other engine, or an engine that refuses
+  the request (overloaded) -> the request is computed on a decode engine without remote KV (counted
+  as a fallback). A decode engine that dies
   before its first output (the producer's hold is still there: nothing released it) -> the decode leg
   goes to another decode engine with the same hold (`DECODE_RETRIES` times, counted as
   `decode_retries`): that engine loads the prompt's KV while the hold is readable, else (it expired, or
@@ -61,6 +65,8 @@ logger = logging.getLogger(__name__)
 POOLS = ("prefill", "decode")
 # A decode engine that died before its first output: the decode leg is tried this many more times.
 DECODE_RETRIES = 1
+# A prefill engine lost before it answered: the prefill leg goes to another prefill engine this many times.
+PREFILL_RETRIES = 1
 
 
 @dataclass
@@ -73,6 +79,7 @@ class PDCounters:
     prefill_fallbacks: int = 0  # prefill engine dead or overloaded: computed on a decode engine
     continuations: int = 0  # n == 1 requests whose first token was the prefill's (decode continued from it)
     decode_retries: int = 0  # decode engine died before its first output: another one took the same hold
+    prefill_retries: int = 0  # prefill engine died before it answered: another prefill engine took the leg
 
 
 def prefill_params(user: dict[str, Any]) -> dict[str, Any]:
@@ -177,12 +184,8 @@ class PDClient:
             return
         one_shot = user.get("max_tokens") == 1 and int(user.get("n") or 1) == 1
         params = {**user, "best_of": None} if one_shot else prefill_params(user)
-        outputs: list[RequestOutput] = []
         try:
-            async with contextlib.aclosing(self.prefill.generate(request_id, prompt_token_ids, params,
-                                                                 priority, cache_salt=cache_salt)) as stream:
-                async for output in stream:
-                    outputs.append(output)
+            outputs = await self._prefill(request_id, prompt_token_ids, params, priority, cache_salt)
         except (EngineDeadError, EngineOverloadedError) as exc:
             self.counters.prefill_fallbacks += 1
             logger.warning("request %s: prefill failed (%s); computing it on a decode engine", request_id, exc)
@@ -253,6 +256,28 @@ class PDClient:
         finally:
             if not released:
                 self._release(remote)
+
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: dict, priority: int,
+                       cache_salt: str | None) -> list[RequestOutput]:
+        """The prefill leg's outputs; a prefill engine lost before it answered -> another one (`PREFILL_RETRIES`)."""
+        retries = 0
+        while True:
+            outputs: list[RequestOutput] = []
+            try:
+                async with contextlib.aclosing(self.prefill.generate(request_id, prompt_token_ids, params,
+                                                                     priority, cache_salt=cache_salt)) as stream:
+                    async for output in stream:
+                        outputs.append(output)
+                return outputs
+            except EngineDeadError as exc:
+                # (a pool of one would queue the retry until the lost engine's replacement is up: a decode
+                # engine computes it sooner)
+                if retries == PREFILL_RETRIES or self.prefill.aggregate_stats().num_engines < 2:
+                    raise
+                retries += 1
+                self.counters.prefill_retries += 1
+                logger.warning("request %s: the prefill engine failed before it answered (%s); another prefill "
+                               "engine takes it", request_id, exc)
 
     def _decode(self, request_id: str, prompt_token_ids: list[int], params: dict,
                 priority: int, final_only: bool = False, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -10,6 +10,11 @@ carries them only in its first output.
 actor and its reader: the actor's generator pauses at that many, and meanwhile the engine's outputs
 merge into one delta (`RequestOutput.add` in `AsyncLLM.generate`), so a slow reader gets fewer,
 larger deltas instead of a pile of one object per step.
+
+A request whose caller reads only its end (`final_only`: a non-streaming HTTP request) still leaves
+the engine as deltas (`OutputKind.CHECKPOINT`: one per checkpoint interval and the finish, the text
+decoded once into the finishing delta), so that the router knows what it generated and a migration
+continues it from there (cluster/serve/migration.py) instead of starting over.
 """
 
 from __future__ import annotations
@@ -51,3 +56,4 @@ class PromptRestorer:
             output.prompt_token_ids = self._prompt_token_ids
             output.prompt = self._prompt
         return output
+

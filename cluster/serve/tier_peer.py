@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError
 
@@ -31,6 +31,9 @@ from pagedserve.kv_transfer.offload.remote import (
     install_tier_blocks,
     sign_tier_read,
 )
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +158,16 @@ def fetch_failures(fetcher: TierFetcher | None, has_tier: bool) -> dict[str, int
     if fetcher is not None:
         return dict(fetcher.stats.failures_by_reason)
     return dict.fromkeys(FETCH_FAILURE_REASONS, 0) if has_tier else {}
+
+
+def tier_secret(kv_transfer_config: dict | str | None, app_secret: SecretStr | None) -> bytes:
+    """The secret an engine replica's tier reads are signed and checked with: its kv_transfer_config's
+    kv_secret, else the app's (`app.build_app`: one per app unless the operator set
+    PAGEDSERVE_KV_SECRET[_FILE]), else that variable or this process's own (kv_transfer/auth.resolve_secret)."""
+    from pagedserve.kv_transfer.auth import resolve_secret
+    from pagedserve.kv_transfer.config import parse_kv_transfer_config
+
+    config = parse_kv_transfer_config(kv_transfer_config) if kv_transfer_config else None
+    if config is not None and config.kv_secret is not None:
+        return config.secret()
+    return resolve_secret(app_secret.get_secret_value() if app_secret is not None else None)

@@ -231,7 +231,8 @@ class EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + "pd_requests", "Requests by how the PD router served them "
                                          "(pd_requests: prefill then decode; prefill_answers: the prefill's token "
                                          "was the answer; decode_only: prompt logprobs; prefill_fallbacks: the "
-                                         "prefill pool failed, computed on a decode engine).",
+                                         "prefill pool failed, computed on a decode engine; prefill_retries, "
+                                         "decode_retries: a lost engine's leg given to another).",
                                          labels=["model_name", "path"])
             for path, count in sorted(pd.items()):
                 family.add_metric([self.model_name, path], float(count))

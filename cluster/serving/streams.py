@@ -24,10 +24,11 @@ class EncodedPrompt:
 class RequestTimer:
     """Per-request latency bookkeeping for the metrics (TTFT, inter-token, e2e).
 
-    `final_only`: the stream is one finished output carrying every token. Its first token and the gaps
-    between tokens are then dated from the engine's own record (`RequestOutput.metrics`): the first token
-    came as long before this output as the engine's last token came after its first, and that decode time
-    counts as one equal gap per further token."""
+    `final_only`: the stream's outputs each merge the deltas of a checkpoint interval, or of the whole
+    request (`stream_transport.FinalOnlyBatcher`). Its first token is then dated from the engine's own
+    record (`RequestOutput.metrics`): it came as long before the first output as the engine's last token
+    in that output came after its first; the tokens of an output count as equal gaps over the time since
+    the one before (the first output's, over the engine's decode time up to it)."""
 
     metrics: ServingMetrics
     prompt_tokens: int
@@ -64,6 +65,9 @@ class RequestTimer:
             elif self.first is None:
                 self.first = now
                 self.metrics.observe_first_token(now - self.start)
+            elif self.final_only:
+                for _ in range(num_tokens):
+                    self.metrics.observe_inter_token((now - self.last) / num_tokens)  # type: ignore[operator]
             else:
                 self.metrics.observe_inter_token(now - self.last)  # type: ignore[operator]
             self.last = now
@@ -80,10 +84,10 @@ class RequestTimer:
 
     @staticmethod
     def _engine_decode_time(output: RequestOutput) -> float | None:
-        """Seconds between the engine's first and last token of a finished output (None when the output
-        is not a finished one or carries no engine timings: then it is timed on arrival, like a delta)."""
+        """Seconds between the engine's first token and its last one in `output` (None when the output
+        carries no engine timings: then it is timed on arrival, like a delta)."""
         m = output.metrics
-        if not output.finished or m is None or m.first_token_time is None or m.last_token_time is None:
+        if m is None or m.first_token_time is None or m.last_token_time is None:
             return None
         return max(0.0, m.last_token_time - m.first_token_time)
 
