@@ -119,7 +119,7 @@ def test_load_and_unload_at_run_time_under_load_fail_no_request(setup):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.pd_local import sse_summary
+    from tests.pd_local import metric, sse_summary
 
     server, paths, expected = setup
     long_tokens = 40
@@ -161,5 +161,10 @@ def test_load_and_unload_at_run_time_under_load_fail_no_request(setup):
             assert text == _text(server, want[model]), model
         assert _complete(http, "b2").status_code == 404  # gone for requests that come after
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "c"}).status_code == 200
+        server.kv_blocks_when_idle()
+        # a, b, b2 and c (each load a new adapter id) through max_loras=2 slots: swaps, counted
+        metrics = http.get("/metrics").text
+        assert metric(metrics, "pagedserve:lora_adapter_loads_total") >= 4
+        assert metric(metrics, "pagedserve:lora_adapter_evictions_total") >= 2
     free, total = server.kv_blocks_when_idle()
     assert free == total
