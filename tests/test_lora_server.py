@@ -168,3 +168,19 @@ def test_load_and_unload_at_run_time_under_load_fail_no_request(setup):
         assert metric(metrics, "pagedserve:lora_adapter_evictions_total") >= 2
     free, total = server.kv_blocks_when_idle()
     assert free == total
+
+
+def test_ingress_replicas_agree_on_startup_adapter_ids_and_never_share_one_for_two_adapters(setup):
+    """Every ingress replica sends requests to the same engines: a --lora-modules adapter has one id on all of them
+    (shared slots and cached blocks), and adapters loaded at run time on different replicas never get one id (an
+    engine refuses an id that names two adapters; a per-replica counter would hand out 1, 2, ... on each)."""
+    from pagedserve.cluster.serving.lora import LoRAAdapters
+
+    server, paths, _ = setup
+    first, second = LoRAAdapters(server.args, "tiny"), LoRAAdapters(server.args, "tiny")
+    assert first.resolve("a") == second.resolve("a") == server.serving.lora.resolve("a")
+    on_first, on_second = first.load("x", str(paths["b"])), second.load("y", str(paths["a"]))
+    assert on_first.lora_int_id != on_second.lora_int_id
+    assert on_first.lora_int_id != first.resolve("a").lora_int_id
+    first.unload("x")
+    assert first.load("x", str(paths["b"])).lora_int_id != on_first.lora_int_id  # a reload is a fresh identity
