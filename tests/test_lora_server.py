@@ -184,3 +184,23 @@ def test_ingress_replicas_agree_on_startup_adapter_ids_and_never_share_one_for_t
     assert on_first.lora_int_id != first.resolve("a").lora_int_id
     first.unload("x")
     assert first.load("x", str(paths["b"])).lora_int_id != on_first.lora_int_id  # a reload is a fresh identity
+
+
+def test_the_engine_host_reports_its_resident_adapters_where_the_router_prefers_them(setup):
+    """The replica's routing stats (what Serve's request router reads) list the adapters its engine holds, and a
+    router over replicas reporting those stats sends that adapter's requests to the holder."""
+    import asyncio
+
+    from tests.test_lora_routing import pending_for
+    from tests.test_serve_router import make_router
+
+    server, _, _ = setup
+    with server.test_client() as http:
+        assert _complete(http, "a").status_code == 200
+    reported = asyncio.run(server.actor.record_routing_stats())
+    assert "a" in reported["lora_adapters"]
+    router, replicas = make_router(3)
+    replicas[1].routing_stats = {**reported, "num_running": 0}
+    for i in range(6):
+        prompt = [i * 5 + k for k in range(3)]
+        assert asyncio.run(router.choose_replicas(replicas, pending_for("a", prompt)))[0][0] is replicas[1]
