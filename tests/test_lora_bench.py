@@ -53,3 +53,18 @@ def test_merging_an_adapter_adds_its_scaled_product_to_the_targeted_weights(benc
     assert out[key].shape == base[key].shape
     assert (out[key] - base[key] - 2.0 * (b @ a)).abs().max() < 1e-6
     assert all((out[k] == base[k]).all() for k in base if "proj" not in k)  # norms, embeddings untouched
+
+
+def test_the_readme_table_shows_the_committed_run():
+    """README "LoRA adapters": its throughput table is benchmarks/results/lora-cpu.json's (rerun the command there
+    and update both together)."""
+    root = Path(__file__).resolve().parent.parent
+    report = json.loads((root / "benchmarks" / "results" / "lora-cpu.json").read_text())
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## LoRA adapters"):readme.index("## Disaggregated prefill/decode")]
+    for group in report["groups"]:
+        rate = {name: group[name]["output_tokens_per_s"] for name in ("base", "multi_lora", "merged_per_engine")}
+        row = (f"| {group['adapters']:<10} | {rate['base']:<10.0f} | {rate['multi_lora']:<22.0f} | "
+               f"{rate['merged_per_engine']:<17.0f} | {group['multi_lora_vs_base']:<17.2f} | "
+               f"{group['multi_lora_vs_merged_per_engine']:<19.2f} |")
+        assert row in section, row
