@@ -113,6 +113,26 @@ def test_more_adapters_than_slots_swap_in_lru_order_and_stay_exact(tiny_llama, a
     _assert_all_free(llm)
 
 
+
+def test_resident_slots_evict_the_least_recently_used_and_swap_in_from_host_memory(tiny_llama, adapters, expected):
+    llm = _llm(tiny_llama, max_loras=2, max_cpu_loras=3)
+    a, b, c = (adapters[name] for name in ("attn-r4", "all-r8", "mlp-r2"))
+
+    def run(lora, loads, evictions, disk_loads, resident):
+        got = _tokens(llm.generate(PROMPT_DICTS[:1], GREEDY, use_tqdm=False, lora_request=lora))
+        assert got == [expected[lora.lora_name][0]]
+        stats = llm.get_stats().lora
+        assert (stats["loads"], stats["evictions"], stats["disk_loads"]) == (loads, evictions, disk_loads)
+        assert sorted(stats["resident"]) == sorted(r.lora_name for r in resident)
+
+    run(a, 1, 0, 1, [a])
+    run(b, 2, 0, 2, [a, b])
+    run(a, 2, 0, 2, [a, b])  # resident: no load
+    run(c, 3, 1, 3, [a, c])  # b, the least recently used, makes room (not a, loaded first)
+    run(b, 4, 2, 3, [c, b])  # back from host memory, not from disk; a is now the least recently used
+    _assert_all_free(llm)
+
+
 def test_prefix_cache_hits_only_within_one_adapter(tiny_llama, adapters, expected):
     llm = _llm(tiny_llama)
     prompt = {"prompt_token_ids": PROMPTS[3]}  # 24 tokens: five full blocks of 4 are cacheable

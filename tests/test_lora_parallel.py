@@ -65,3 +65,44 @@ def test_tp2_lora_logits_match_peft(tmp_path: Path, kv_heads: int) -> None:
                                COMMON["vocab_size"])
     assert not torch.allclose(reference["A"], base_reference["A"], atol=1e-2)  # the adapter matters
     _spawn(tmp_path, 2, 2, 1, _lora_body, str(model_dir), str(adapter), reference)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from tests.local_ray import fresh_local_ray
+
+    with fresh_local_ray(num_cpus=4):
+        yield
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_parallel_engine_mixed_batch_greedy_equals_peft(local_ray, tiny_llama, tmp_path: Path, tp: int, pp: int) -> None:
+    """The whole engine over a Ray worker group (TP = 2: A/B sharded per rank; PP = 2: each stage's layers): one
+    workload mixing two adapters of different ranks and targets with the base model, chunked prefill, greedy
+    tokens equal to HF + PEFT's."""
+    from pagedserve.engine import LLM
+    from tests.lora_adapters import peft_greedy
+
+    adapters = {"attn": LoRARequest("attn", 1, str(make_adapter(tiny_llama, tmp_path / "attn", 4, ["q_proj", "v_proj"],
+                                                                 seed=41))),
+                "all": LoRARequest("all", 2, str(make_adapter(tiny_llama, tmp_path / "all", 8, ALL, seed=42)))}
+    prompts = [[(5 * k + 11 * i) % 400 + 20 for k in range(10 + 6 * i)] for i in range(3)]
+    max_tokens = 6
+    expected = {name: peft_greedy(tiny_llama, Path(lora.lora_path), prompts, max_tokens)
+                for name, lora in adapters.items()}
+    expected[None] = peft_greedy(tiny_llama, None, prompts, max_tokens)
+    names = [None, "attn", "all"]
+    work = [(i, names[(i + j) % 3]) for i in range(len(prompts)) for j in range(3)]
+    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=4, kv_cache_memory="16MiB", max_num_batched_tokens=16,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="ray",
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in work],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False,
+                            lora_request=[None if name is None else adapters[name] for _, name in work])
+        assert [list(o.outputs[0].token_ids) for o in outs] == [expected[name][i] for i, name in work]
+        stats = llm.get_stats()
+        assert stats.lora["loads"] == 2 and stats.lora["requests"] == {"attn": 3, "all": 3}
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        llm.shutdown()

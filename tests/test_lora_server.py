@@ -110,3 +110,97 @@ def test_cli_lora_flags_map_onto_serve_args(tiny_llama):
     assert args.engine_kwargs()["max_loras"] == 3
     with pytest.raises(ValueError, match="lora_modules: expected NAME=PATH"):
         parse_lora_modules(["sql"])
+
+
+def test_load_and_unload_at_run_time_under_load_fail_no_request(setup):
+    """Requests for the base model and an adapter stream while another adapter loads (and serves at once) and one
+    whose requests are mid-stream unloads: every request succeeds with its own adapter's tokens."""
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.pd_local import metric, sse_summary
+
+    server, paths, expected = setup
+    long_tokens = 40
+    long_b = peft_greedy(server.args.model, paths["b"], [PROMPT], long_tokens)[0]
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    with server.test_client() as http:
+        http.headers.update(AUTH)
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "b2", "lora_path": str(paths["b"])}).status_code == 200
+
+        def long_b2(streaming: threading.Event) -> str:
+            """A stream under b2, past its first token (`streaming` set) when b2 is unloaded."""
+            text = ""
+            with http.stream("POST", "/v1/completions", json={**body, "model": "b2", "max_tokens": long_tokens,
+                                                              "stream": True}) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[len("data: "):])["choices"][0]["text"]
+                        streaming.set()
+            return text
+
+        def short(model: str) -> tuple[str, str]:
+            return model, sse_summary(http, "/v1/completions", {**body, "model": model})["choices"][0]["text"]
+
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            started = [threading.Event() for _ in range(2)]
+            long_runs = [pool.submit(long_b2, event) for event in started]
+            background = [pool.submit(short, model) for model in ("tiny", "a", "a", "tiny", "a", "tiny", "a", "tiny")]
+            assert all(event.wait(timeout=60) for event in started)
+            loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(paths["b"])})
+            assert loaded.status_code == 200, loaded.text
+            served_c = [pool.submit(short, "c") for _ in range(2)]
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "b2"}).status_code == 200
+            results = [f.result(timeout=120) for f in background + served_c]
+            for run in long_runs:
+                assert run.result(timeout=120) == _text(server, long_b)
+        want = {"tiny": expected["tiny"], "a": expected["a"], "c": expected["b"]}
+        for model, text in results:
+            assert text == _text(server, want[model]), model
+        assert _complete(http, "b2").status_code == 404  # gone for requests that come after
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "c"}).status_code == 200
+        server.kv_blocks_when_idle()
+        # a, b, b2 and c (each load a new adapter id) through max_loras=2 slots: swaps, counted
+        metrics = http.get("/metrics").text
+        assert metric(metrics, "pagedserve:lora_adapter_loads_total") >= 4
+        assert metric(metrics, "pagedserve:lora_adapter_evictions_total") >= 2
+    free, total = server.kv_blocks_when_idle()
+    assert free == total
+
+
+def test_ingress_replicas_agree_on_startup_adapter_ids_and_never_share_one_for_two_adapters(setup):
+    """Every ingress replica sends requests to the same engines: a --lora-modules adapter has one id on all of them
+    (shared slots and cached blocks), and adapters loaded at run time on different replicas never get one id (an
+    engine refuses an id that names two adapters; a per-replica counter would hand out 1, 2, ... on each)."""
+    from pagedserve.cluster.serving.lora import LoRAAdapters
+
+    server, paths, _ = setup
+    first, second = LoRAAdapters(server.args, "tiny"), LoRAAdapters(server.args, "tiny")
+    assert first.resolve("a") == second.resolve("a") == server.serving.lora.resolve("a")
+    on_first, on_second = first.load("x", str(paths["b"])), second.load("y", str(paths["a"]))
+    assert on_first.lora_int_id != on_second.lora_int_id
+    assert on_first.lora_int_id != first.resolve("a").lora_int_id
+    first.unload("x")
+    assert first.load("x", str(paths["b"])).lora_int_id != on_first.lora_int_id  # a reload is a fresh identity
+
+
+def test_the_engine_host_reports_its_resident_adapters_where_the_router_prefers_them(setup):
+    """The replica's routing stats (what Serve's request router reads) list the adapters its engine holds, and a
+    router over replicas reporting those stats sends that adapter's requests to the holder."""
+    import asyncio
+
+    from tests.test_lora_routing import pending_for
+    from tests.test_serve_router import make_router
+
+    server, _, _ = setup
+    with server.test_client() as http:
+        assert _complete(http, "a").status_code == 200
+    reported = asyncio.run(server.actor.record_routing_stats())
+    assert "a" in reported["lora_adapters"]
+    router, replicas = make_router(3)
+    replicas[1].routing_stats = {**reported, "num_running": 0}
+    for i in range(6):
+        prompt = [i * 5 + k for k in range(3)]
+        assert asyncio.run(router.choose_replicas(replicas, pending_for("a", prompt)))[0][0] is replicas[1]

@@ -46,6 +46,7 @@ from pagedserve.cluster.fleet_stats import FleetStats
 from pagedserve.cluster.serving.request_stages import record_event
 from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagedserve.engine.lora.request import SAMPLING_KEY as LORA_KEY
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.resume import resume_params
 from pagedserve.engine.sampling_params import SamplingParams
@@ -144,7 +145,9 @@ class MigratingClient:
 
     async def _continuing(self, tries: _Tries, submit: _Submitter, params: dict) -> AsyncIterator[RequestOutput]:
         request_id = tries.request_id
-        original = SamplingParams(**params)
+        # A LoRA adapter rides beside the sampling params (engine.lora.request.SAMPLING_KEY): every
+        # continuation carries it, so a migrated request goes on under its adapter.
+        original = SamplingParams(**{k: v for k, v in params.items() if k != LORA_KEY})
         completions = [_Completion() for _ in range(original.n)]
         legs = [_Leg(tries.leg_id(), None, submit(tries.leg_id(), params))]
         while True:
@@ -174,6 +177,8 @@ class MigratingClient:
                 continue
             completion.resumed = True
             child_params = resume_params(original, completion.token_ids, index).model_dump()
+            if params.get(LORA_KEY) is not None:
+                child_params[LORA_KEY] = params[LORA_KEY]
             child_id = f"{leg_id}.{index}"
             legs.append(_Leg(child_id, index, submit(child_id, child_params)))
         return legs

@@ -4,13 +4,20 @@
 A request selects an adapter by its `model` name; the adapter's `LoRARequest` then travels to whichever
 engine replica serves it inside the request's sampling params (key "lora_request"), so every replica (and
 both legs of a prefill/decode pair) runs it, loading it from disk on first use. Adapters named by
---lora-modules are loaded at start-up; each load gets a fresh adapter id, so blocks an unloaded adapter
-left in a prefix cache are never hits for a later adapter of the same name.
+--lora-modules are loaded at start-up.
+
+Adapter ids (`LoRARequest.lora_int_id`: an engine's resident slot and prefix-cache identity) are shared by
+every ingress replica's requests on the same engines, so they never come from a per-replica counter: an
+adapter of --lora-modules gets an id derived from its name and path (every ingress replica serves it under
+the same id, sharing slots and cached blocks), and a run-time load a random 62-bit one (a fresh identity, so
+blocks an unloaded adapter left in a prefix cache are never hits for a later adapter of the same name, and
+two ingress replicas that load different adapters never hand an engine one id for both).
 """
 
 from __future__ import annotations
 
-import itertools
+import hashlib
+import secrets
 from dataclasses import asdict
 from typing import Any
 
@@ -54,11 +61,10 @@ class LoRAAdapters:
         self.args = args
         self.base_name = base_name
         self.by_name: dict[str, LoRARequest] = {}
-        self._ids = itertools.count(1)
         self._hf_config: Any = None
         for name, path in parse_lora_modules(args.lora_modules):
             try:
-                self.load(name, path)
+                self.load(name, path, lora_id=_startup_id(name, path))
             except APIError as exc:
                 raise ValueError(f"lora_modules: {name}={path}: {exc}") from None
 
@@ -69,8 +75,9 @@ class LoRAAdapters:
             self._hf_config = EngineConfig(**self.args.engine_kwargs()).resolve().hf_config
         return self._hf_config
 
-    def load(self, name: str, path: str) -> LoRARequest:
-        """Check the adapter against the base model and max_lora_rank, then serve it as `name` (APIError 400)."""
+    def load(self, name: str, path: str, lora_id: int | None = None) -> LoRARequest:
+        """Check the adapter against the base model and max_lora_rank, then serve it as `name` (APIError 400)
+        under `lora_id` (default: a fresh random one)."""
         if not self.args.enable_lora:
             raise APIError(400, "lora_name: the server was started without --enable-lora", param="lora_name")
         if name == self.base_name or name in self.by_name:
@@ -79,7 +86,7 @@ class LoRAAdapters:
             check_adapter(path, self._base_config(), self.args.max_lora_rank)
         except ValueError as exc:
             raise APIError(400, f"lora_path: {exc}", param="lora_path") from None
-        lora = LoRARequest(name, next(self._ids), path)
+        lora = LoRARequest(name, lora_id if lora_id is not None else secrets.randbits(62) + 1, path)
         self.by_name[name] = lora
         return lora
 
@@ -97,6 +104,12 @@ class LoRAAdapters:
             raise APIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",
                            code="model_not_found")
         return lora
+
+
+def _startup_id(name: str, path: str) -> int:
+    """The id of a --lora-modules adapter: the same on every ingress replica started with the same flags."""
+    digest = hashlib.sha256(f"lora-module\0{name}\0{path}".encode()).digest()
+    return (int.from_bytes(digest[:8], "big") >> 2) + 1
 
 
 def with_adapter(params: list[dict], lora: LoRARequest | None) -> list[dict]:

@@ -20,6 +20,9 @@ class LoRABatch:
     token_index: torch.Tensor  # [Ta] int64: flat-batch rows of the adapted tokens, grouped by slot
     token_scale: torch.Tensor  # [Ta, 1]: each adapted token's adapter scaling (lora_alpha / r)
     segments: LoRASegments
+    # Every row of the flat batch is adapted and already grouped (e.g. one adapter for the whole step): token_index
+    # is 0..T-1, so the layers use the rows in place (no gather of x, no scatter into y).
+    all_rows_in_order: bool = False
 
 
 class LoRAContext:
@@ -47,5 +50,6 @@ def build_lora_batch(request_slots: np.ndarray, query_lens: np.ndarray, slot_sca
         max_len=int(counts.max()),
     )
     scale = torch.from_numpy(slot_scales[sorted_slots].astype(np.float64)).to(device=device, dtype=dtype)
+    in_order = order.size == token_slots.size and bool((np.diff(order) == 1).all())
     return LoRABatch(token_index=torch.from_numpy(order).to(device), token_scale=scale.unsqueeze(1),
-                     segments=segments)
+                     segments=segments, all_rows_in_order=in_order)

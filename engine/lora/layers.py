@@ -32,9 +32,13 @@ def _add_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     batch = context.batch
     if batch is None:
         return
-    xs = x.index_select(0, batch.token_index)
-    shrunk = kernels.lora_segment_matmul(xs, a, batch.segments)
-    delta = kernels.lora_segment_matmul(shrunk, b, batch.segments) * batch.token_scale
+    xs = x if batch.all_rows_in_order else x.index_select(0, batch.token_index)
+    # The scaling multiplies the rank-wide shrunk rows, not the output-wide delta (the same product, less work).
+    shrunk = kernels.lora_segment_matmul(xs, a, batch.segments) * batch.token_scale
+    delta = kernels.lora_segment_matmul(shrunk, b, batch.segments)
+    if batch.all_rows_in_order:
+        y.add_(delta)
+        return
     # (Each adapted row appears once: a gather, add and scatter; CPU index_add_ is far slower.)
     y.index_copy_(0, batch.token_index, y.index_select(0, batch.token_index) + delta)
 

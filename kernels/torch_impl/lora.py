@@ -11,7 +11,9 @@ def lora_segment_matmul_torch(x: torch.Tensor, weights: torch.Tensor, seg_starts
 
     x [M, K], weights [S, N, K] -> out [M, N] in x's dtype (rows outside every segment are zero).
     """
-    out = x.new_zeros(x.shape[0], weights.shape[1])
+    covered = bool(seg_slots) and seg_starts[0] == 0 and seg_starts[-1] == x.shape[0]
+    # Segments that cover every row (as the LoRA layers' are) write all of out: no zero-fill first.
+    out = x.new_empty(x.shape[0], weights.shape[1]) if covered else x.new_zeros(x.shape[0], weights.shape[1])
     for g, slot in enumerate(seg_slots):
         start, end = seg_starts[g], seg_starts[g + 1]
         if end > start:
