@@ -81,7 +81,13 @@ def add_server_args(p: argparse.ArgumentParser, kv_cache_memory: str = "256MiB")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--num-cpus-per-engine", type=float, default=None)
+    g.add_argument("--num-cpus-per-engine", type=float, default=None,
+                   help="CPUs each engine replica reserves in Ray (default 1); its torch threads unless --cpu-threads")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads of each engine (default: the CPUs it reserved); set it as `bench throughput "
+                        "--cpu-threads` to compare the served engine with the offline one on equal threads")
+    g.add_argument("--quantization", "-q", choices=["auto", "gguf", "none", "int8", "int4"], default=None,
+                   help="the engines' weight quantization, as `bench throughput --quantization`")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="engine replicas (default 1)")
     g.add_argument("--pd", action="store_true", help="start the prefill/decode app (two Serve deployments)")
     g.add_argument("--num-prefill-engines", type=int, default=1, help="prefill replicas with --pd (default 1)")
@@ -187,8 +193,8 @@ class LocalServer:
 
 def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "dtype": ns.dtype}
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_cpus_per_engine", "api_key",
-                 "data_parallel_size", "routing_policy", "kv_offload_size"):
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_cpus_per_engine", "cpu_threads",
+                 "quantization", "api_key", "data_parallel_size", "routing_policy", "kv_offload_size"):
         if getattr(ns, name, None) is not None:
             settings[name] = getattr(ns, name)
     if getattr(ns, "pd", False):

@@ -22,6 +22,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def test_the_served_engine_takes_the_offline_benchmarks_threads_and_quantization(tiny_llama):
+    """`bench serve --start-server` must be able to run the engine `bench throughput` ran (same threads, same
+    weights): a replica otherwise gets one torch thread per reserved CPU (1 by default) while the offline
+    engine used every core, and the served/offline ratio measured the thread count, not the serving path."""
+    from pagedserve.bench.serve_load import server_settings
+    from pagedserve.cluster.settings import ServeArgs
+
+    ns = _parser().parse_args(["serve", "--start-server", "--cpu-threads", "2", "--num-cpus-per-engine", "2",
+                               "--quantization", "none"])
+    settings = server_settings(ns)
+    assert (settings["cpu_threads"], settings["num_cpus_per_engine"], settings["quantization"]) == (2, 2.0, "none")
+    args = ServeArgs(model=str(tiny_llama), **settings)
+    assert (args.cpu_threads, args.quantization) == (2, "none")
+    unset = server_settings(_parser().parse_args(["serve", "--start-server"]))
+    assert "cpu_threads" not in unset and "quantization" not in unset  # the server's own defaults
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--quantization", "fp4"])
+
+
 def test_shared_prefix_requests_are_tenant_contexts_plus_questions_round_by_round():
     shape = SharedPrefixShape(tenants=5, context_len=40, questions=3, question_len=6, output_len=(4, 8))
     requests = shared_prefix(shape, seed=1, token_ids=TOKENS)
