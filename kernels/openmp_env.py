@@ -5,7 +5,7 @@ idle pool thread spin for a while before it sleeps, so between two parallel regi
 is ~120 of them, with Python in between) every thread keeps its core busy. On a machine whose cores are
 shared with other processes that is ruinous: the spinning threads compete with the thread doing the work and
 with the other processes, and a region waits for a descheduled thread's whole time slice. Measured on a
-2-core machine at a load average of 2-5 (docs in the session report of issue 35): a batch-1 decode step on
+2-core machine at a load average of 2-5: a batch-1 decode step on
 two threads took 0.8-1.3 s with the default policy and 27-80 ms with PASSIVE (one thread: 28-77 ms), and
 `bench throughput` ran at 16 output tok/s against 159-189. PASSIVE threads sleep as soon as they wait, at the
 cost of a futex wake per region on an idle machine.
