@@ -58,6 +58,7 @@ class LLMEngine:
         `bad_words_ids`: `params.bad_words` already tokenized (else they are tokenized here).
         `lora_request`: the LoRA adapter it runs under (None: the base model). `checkpoint_interval_s`:
         an `OutputKind.CHECKPOINT` request's seconds between outputs."""
+        self.engine_core.check_executor()
         if request_id in self._children or request_id in self.output_processor.states or request_id in self._embeddings:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival_time = time.time() if arrival_time is None else arrival_time

@@ -162,8 +162,9 @@ def test_parallel_greedy_parity_and_sharding(tiny_model_factory, arch, tp, pp):
 # ---- failures --------------------------------------------------------------------------------
 
 
-def kill_rank_on_step(llm: LLM, rank: int, step: int) -> None:
-    """Kill one worker actor right after the engine submits its `step`-th batch."""
+def kill_rank_on_step(llm: LLM, rank: int, step: int, noticed_first: bool = False) -> None:
+    """Kill one worker actor right after the engine submits its `step`-th batch (`noticed_first`: and wait
+    until the worker group has noticed, so that the engine finds its executor failed with batches in flight)."""
     executor = executor_of(llm)
     submit = executor.execute_model_async
     calls = [0]
@@ -173,17 +174,25 @@ def kill_rank_on_step(llm: LLM, rank: int, step: int) -> None:
         calls[0] += 1
         if calls[0] == step:
             ray.kill(executor.group.actors[rank], no_restart=True)
+            end = time.monotonic() + 60.0
+            while noticed_first and not executor.is_failed and time.monotonic() < end:
+                time.sleep(0.05)
+            assert not noticed_first or executor.is_failed
         return future
 
     executor.execute_model_async = submit_then_kill
 
 
-def test_killed_worker_fails_generate_and_releases_the_group(tiny_model_factory):
+@pytest.mark.parametrize("noticed_first", [False, True], ids=["collected-first", "group-noticed-first"])
+def test_killed_worker_fails_generate_and_releases_the_group(tiny_model_factory, noticed_first):
+    """Whether the engine meets the death collecting a batch or the worker group notices it first (the
+    engine then finds its executor failed with batches in flight), every request ends with the group's
+    error and later requests are refused."""
     path = tiny_model_factory("llama")
     llm = make_llm(path, 1, 2)
     group = executor_of(llm).group
     pg, actors = group.placement_group, group.actors
-    kill_rank_on_step(llm, rank=0, step=3)
+    kill_rank_on_step(llm, rank=0, step=3, noticed_first=noticed_first)
     prompts = random_prompts(21, [12, 20, 7])
     # A request that fails while it runs comes back with finish_reason "error" (LLM.generate does not raise).
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)

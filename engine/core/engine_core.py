@@ -175,8 +175,7 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         if self.executor.is_failed:
-            # The batches that were running when it failed have finished with an error; nothing new can run.
-            raise RuntimeError("the engine's executor is down after an earlier failure; start a new engine")
+            return self._fail_outstanding()
         if self.max_concurrent_batches > 1:
             return self._step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
@@ -190,6 +189,22 @@ class EngineCore:
         except Exception as exc:
             return failed_grammars + self._fail_batch(scheduler_output, exc)
         return failed_grammars + self._update_from_output(scheduler_output, runner_output)
+
+    def _fail_outstanding(self) -> list[EngineCoreOutput]:
+        """The executor went down (a worker died and its group noticed, maybe before this engine collected
+        the batches in flight): the batches in flight fail with the executor's own error, then every other
+        request the engine holds; new requests are refused (`check_executor`)."""
+        outputs: list[EngineCoreOutput] = []
+        while self._batch_queue:
+            outputs += self._collect_oldest()
+        self._admit_held()  # (nothing is in flight now: their ids are free)
+        message = "the engine's executor went down (a worker died) before this request finished"
+        return outputs + self._finish_with_error({rid: message for rid in list(self.scheduler.requests)})
+
+    def check_executor(self) -> None:
+        """Raise if no request can run any more: the executor went down."""
+        if self.executor.is_failed:
+            raise RuntimeError("the engine's executor is down after an earlier failure; start a new engine")
 
     def _fail_grammars(self) -> list[EngineCoreOutput]:
         failures = self.scheduler.take_grammar_failures()
