@@ -1,10 +1,8 @@
 """pagedserve's engine: `LLM` (offline), `AsyncLLM` (serving), and their types."""
 
 from pagedserve.engine.logging_setup import configure_logging
-from pagedserve.kernels.openmp_env import prefer_passive_openmp_wait
 
 configure_logging()
-prefer_passive_openmp_wait()  # before the first torch import (engine.config): libgomp reads it at load
 
 from pagedserve.engine.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm import LLM  # noqa: E402

@@ -55,8 +55,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
-
-import pagedserve.kernels.openmp_env  # noqa: F401  (first: sets OpenMP's wait policy before torch loads)
 import torch
 from pydantic import SecretStr, ValidationError
 
