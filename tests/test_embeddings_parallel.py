@@ -13,6 +13,7 @@ ray = pytest.importorskip("ray")
 from pagedserve.engine import LLM  # noqa: E402
 from pagedserve.engine.pooling_params import PoolingParams  # noqa: E402
 from tests.local_ray import fresh_local_ray  # noqa: E402
+from tests.test_engine_actors import wait_coordinator_idle  # noqa: E402
 from tests.test_embeddings import LONG, PROMPTS, cosine, reference, run_mixed  # noqa: E402
 
 
@@ -84,14 +85,7 @@ def test_data_parallel_embeddings_spread_and_share_the_prefix_cache(tiny_model_f
             counts.append(routed(coord))
             affine = await embed(coord, "emb-shared", shared + [3], "last")
             counts.append(routed(coord))
-            stats = None
-            for _ in range(200):
-                stats = await coord.refresh_stats()
-                if all(s is not None and s.num_running == 0 and s.num_waiting == 0
-                       and s.num_free_blocks == s.num_total_blocks for s in stats):
-                    break
-                await asyncio.sleep(0.05)
-            return spread, counts, affine, stats
+            return spread, counts, affine, await wait_coordinator_idle(coord)
         finally:
             await coord.stop()
 

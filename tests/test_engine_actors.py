@@ -60,7 +60,7 @@ async def _collect(coord: DPCoordinator, request_id: str, prompt: list[int], par
     return tokens
 
 
-async def _wait_idle(coord: DPCoordinator) -> list[EngineStats]:
+async def wait_coordinator_idle(coord: DPCoordinator) -> list[EngineStats]:
     """Poll until every engine reports no work and all blocks free (or give up and return the last stats)."""
     stats: list[EngineStats | None] = []
     for _ in range(200):
@@ -79,7 +79,7 @@ def test_dp2_spreads_requests_and_matches_offline_greedy(engines, engine_kwargs)
         coord = DPCoordinator(engines, block_size=BLOCK, seed=1)
         before = await coord.refresh_stats()
         results = await asyncio.gather(*[_collect(coord, f"spread-{i}", p, params) for i, p in enumerate(PROMPTS)])
-        after = await _wait_idle(coord)
+        after = await wait_coordinator_idle(coord)
         return coord.aggregate_stats(), before, after, results
 
     agg, before, after, results = _run(run())
@@ -104,7 +104,7 @@ def test_prefix_affine_requests_land_on_same_engine(engines):
         before = await coord.refresh_stats()
         for i in range(6):  # sequential: the affinity engine is never much busier than the other
             await _collect(coord, f"affine-{i}", shared + [i + 1, i + 2, i + 3], params)
-        after = await _wait_idle(coord)
+        after = await wait_coordinator_idle(coord)
         return coord.aggregate_stats(), before, after
 
     agg, before, after = _run(run())
@@ -128,7 +128,7 @@ def test_client_disconnect_aborts_and_frees_blocks(engines):
             if received == 3:
                 break  # the client goes away mid-stream
         await stream.aclose()
-        stats = await _wait_idle(coord)
+        stats = await wait_coordinator_idle(coord)
         return received, stats, coord.aggregate_stats()
 
     received, stats, agg = _run(run())
@@ -149,7 +149,7 @@ def test_abort_ends_stream_with_abort_reason(engines):
             outputs.append(out)
             if len(outputs) == 2:
                 await coord.abort("to-abort")
-        return outputs, await _wait_idle(coord)
+        return outputs, await wait_coordinator_idle(coord)
 
     outputs, stats = _run(run())
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
@@ -332,7 +332,7 @@ def test_slow_reader_is_backpressured_and_gets_merged_complete_text(engines):
         before = (await handle.get_stats.remote()).num_stream_outputs
         slow = await _read_stream(handle, "slow-reader", PROMPTS[6], params,
                                   pause_after_first=lambda: wait_until_engine_done(before))
-        return fast, slow, await _wait_idle(DPCoordinator(engines, block_size=BLOCK))
+        return fast, slow, await wait_coordinator_idle(DPCoordinator(engines, block_size=BLOCK))
 
     fast, slow, stats = _run(run(), timeout=180)
     assert len(fast[1]) == 40 and fast[:2] == slow[:2]  # same greedy tokens and text
@@ -352,7 +352,7 @@ def test_mass_disconnect_aborts_in_one_rpc_per_engine_and_frees_blocks(engines):
         for stream in streams:
             await stream.__anext__()
         await asyncio.gather(*(stream.aclose() for stream in streams))  # every client leaves at once
-        stats = await _wait_idle(coord)
+        stats = await wait_coordinator_idle(coord)
         return coord._aborts.num_rpcs, stats, coord.aggregate_stats()
 
     rpcs, stats, agg = _run(run())
