@@ -28,7 +28,7 @@ class EngineClient(Protocol):
                  priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
                  pooling_params: dict | None = None) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Stream DELTA outputs (with `final_only`, fewer: merged per checkpoint interval, the text whole in
-        each completion's finishing delta; `stream_transport.FinalOnlyBatcher`). Raises ValueError (bad
+        each completion's finishing delta; `OutputKind.CHECKPOINT`). Raises ValueError (bad
         input), EngineOverloadedError or EngineDeadError; closing the iteration early aborts the request.
         With `pooling_params` (engine.pooling_params.PoolingParams fields) it is an embedding request,
         routed like any prompt: `sampling_params` is ignored and the stream is one `EmbeddingRequestOutput`."""

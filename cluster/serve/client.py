@@ -69,7 +69,7 @@ class ServeEngineClient:
                        priority: int = 0, final_only: bool = False, cache_salt: str | None = None,
                        pooling_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs; with `final_only` merged into one output per checkpoint interval, the
-        text decoded once at the end (`stream_transport.FinalOnlyBatcher`). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
+        text decoded once at the end (`OutputKind.CHECKPOINT`). Raises ValueError (bad input), EngineOverloadedError, or EngineDeadError
         (the replica died while serving this request). `pooling_params`: an embedding request (one output).
         Closing the iteration early cancels the handle's response, which aborts the request in its engine.
 

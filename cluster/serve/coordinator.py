@@ -183,7 +183,7 @@ class DPCoordinator:
     ) -> AsyncIterator[RequestOutput]:
         """Route the request and stream its DELTA outputs (`pooling_params`: an embedding request, one
         output); with `final_only` (the caller reads only the end, e.g. a non-streaming HTTP request) the
-        deltas come merged, one output per checkpoint interval (`stream_transport.FinalOnlyBatcher`). `cache_salt` goes
+        deltas come merged, one output per checkpoint interval (`OutputKind.CHECKPOINT`). `cache_salt` goes
         into the engine prompt (its prefix-cache hashes).
 
         An engine that refuses the request as overloaded (before any output) is skipped and the request

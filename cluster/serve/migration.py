@@ -12,7 +12,7 @@ completion of an `n > 1` request that had started continues on its own (its own 
 request the engine ran it as; a request that had delivered nothing is resubmitted whole.
 
 Non-streaming requests (`final_only`) migrate the same way: their engines send their token-id deltas
-too, merged into one output per checkpoint interval (`stream_transport.FinalOnlyBatcher`: no per-step
+too, merged into one output per checkpoint interval (the engine's `OutputKind.CHECKPOINT`: no per-step
 detokenization or transport), so a continuation starts from the last checkpoint the router received and
 the serving layer joins the deltas of both engines into one answer (`streams.collect`). Only embedding
 requests (one output, nothing to continue from) are computed again.

@@ -25,7 +25,7 @@ class RequestTimer:
     """Per-request latency bookkeeping for the metrics (TTFT, inter-token, e2e).
 
     `final_only`: the stream's outputs each merge the deltas of a checkpoint interval, or of the whole
-    request (`stream_transport.FinalOnlyBatcher`). Its first token is then dated from the engine's own
+    request (`OutputKind.CHECKPOINT`). Its first token is then dated from the engine's own
     record (`RequestOutput.metrics`): it came as long before the first output as the engine's last token
     in that output came after its first; the tokens of an output count as equal gaps over the time since
     the one before (the first output's, over the engine's decode time up to it)."""
