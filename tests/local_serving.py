@@ -101,6 +101,20 @@ class LocalServer:
         return TestClient(self.app, raise_server_exceptions=False)
 
 
+class OneIdleEngineClient:
+    """The engine-client calls besides `generate` for a test double that stands for one idle, healthy
+    engine: abort does nothing, the fleet is that engine's empty figures."""
+
+    async def abort(self, request_id):
+        pass
+
+    def aggregate_stats(self):
+        return FleetStats(engines=[EngineEntry("0", EngineStats())])
+
+    def is_healthy(self):
+        return True
+
+
 class ScriptedCoordinator:
     """The coordinator's API over scripted outputs: `tokens` per request, then `error` (if any) or finish."""
 

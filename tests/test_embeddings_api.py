@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from tests.local_serving import LocalServer
+from tests.local_serving import LocalServer, OneIdleEngineClient
 
 TIMEOUT = 60.0
 MAX_MODEL_LEN = 64
@@ -165,7 +165,7 @@ def test_embeddings_beside_completions(client, local, hf_model):
     assert_idle(local)
 
 
-class RecordingClient:
+class RecordingClient(OneIdleEngineClient):
     """An engine client that records what reaches it (nothing should) and answers nothing."""
 
     def __init__(self) -> None:
@@ -176,18 +176,6 @@ class RecordingClient:
         self.requests.append(request_id)
         return
         yield
-
-    async def abort(self, request_id):
-        pass
-
-    def aggregate_stats(self):
-        from pagedserve.cluster.engine_stats import EngineStats
-        from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
-
-        return FleetStats(engines=[EngineEntry("0", EngineStats())])
-
-    def is_healthy(self):
-        return True
 
 
 def test_a_lora_adapter_name_is_a_400_not_the_base_models_vector(model, tmp_path):

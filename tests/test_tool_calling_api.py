@@ -18,14 +18,12 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from pagedserve.cluster.engine_stats import EngineStats
-from pagedserve.cluster.fleet_stats import EngineEntry, FleetStats
 from pagedserve.cluster.serving.app import build_fastapi_app
 from pagedserve.cluster.serving.core import OpenAIServing
 from pagedserve.cluster.serving.requests import ChatCompletionRequest
 from pagedserve.cluster.settings import ServeArgs
 from pagedserve.engine.tokenizer import load_tokenizer
-from tests.local_serving import LocalServer
+from tests.local_serving import LocalServer, OneIdleEngineClient
 from tests.test_serving_errors import assert_openai_error
 from tests.tool_fixtures import SCHEMAS, TEMPLATES, TOOLS, with_chat_template
 
@@ -211,7 +209,7 @@ def test_offline_chat_renders_tools_and_forces_a_call(tool_models, local):
 # --------------------------------------------------------------------------- auto, over scripted model text
 
 
-class TextScript:
+class TextScript(OneIdleEngineClient):
     """The engine client's API over fixed model text, sent in the given pieces (one token id each)."""
 
     def __init__(self, pieces: list[str]) -> None:
@@ -227,15 +225,6 @@ class TextScript:
             last = k == len(self.pieces) - 1
             out = CompletionOutput(0, piece, [10 + k], None, None, "stop" if last else None)
             yield RequestOutput(request_id, None, list(prompt_token_ids), None, [out], last)
-
-    async def abort(self, request_id):
-        pass
-
-    def aggregate_stats(self):
-        return FleetStats(engines=[EngineEntry("0", EngineStats())])
-
-    def is_healthy(self):
-        return True
 
 
 def _scripted_client(model: str, pieces: list[str], **overrides) -> tuple[openai.OpenAI, TextScript, TestClient]:
