@@ -191,7 +191,7 @@ def test_a_producer_opens_one_port_and_strangers_on_it_get_nothing(transports):
     for sock in (idle, http, frames, guesser):
         sock.close()
     assert source.layers_read == 0 and source.released == [] and producer.server.reads_served == 0
-    assert producer.server.refused >= 6
+    assert _wait_for(lambda: producer.server.refused >= 6)  # (counted by the server thread after the close)
     # ... while the deployment's own consumers are served.
     _good_read(transports("kv_consumer"), address, source)
     assert _wait_for(lambda: producer.server.reads_served == 1)  # counted once its last send completed
@@ -646,7 +646,8 @@ def test_tls_on_the_control_connection(transports, tmp_path):
     no_cert = transports("kv_consumer", kv_tls_cafile=cert)
     with pytest.raises(ConnectionError):
         no_cert.read(address, SPEC).wait_layer(0)
-    assert producer.server.refused >= 3 and _wait_for(lambda: producer.server.reads_served == 1)
+    # The server thread counts a refusal after the client has seen it fail: wait for the count.
+    assert _wait_for(lambda: producer.server.refused >= 3) and _wait_for(lambda: producer.server.reads_served == 1)
 
 
 def test_tls_settings_are_checked_naming_the_key(tmp_path):
