@@ -55,13 +55,11 @@ def engine_threads(cpu_threads: int | None, reserved_cpus: float, node_cpus: int
 def node_cpus() -> int:
     """The CPUs an engine on this node may use: those this process may run on (its affinity: a cgroup or
     taskset limit), at most what Ray says the node has (an operator's `ray start --num-cpus N`)."""
+    from pagedserve.cluster.executor.placement import current_node_cpus
+
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if ray.is_initialized():
-        node_id = ray.get_runtime_context().get_node_id()
-        for node in ray.nodes():
-            if node.get("NodeID") == node_id and node.get("Resources", {}).get("CPU"):
-                usable = min(usable, max(1, int(node["Resources"]["CPU"])))
-    return usable
+    told = current_node_cpus() if ray.is_initialized() else 0.0
+    return min(usable, max(1, int(told))) if told > 0 else usable
 
 
 def use_engine_threads(cpu_threads: int | None, engines_per_node: int | None = None) -> None:
