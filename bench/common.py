@@ -38,9 +38,14 @@ def parse_baselines(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+# The engine's KV budget on CPU in the benchmarks (offline and served alike, so that they compare).
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget on CPU (default 1GiB)")
+    group.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,
+                       help=f"KV cache budget on CPU (default {DEFAULT_KV_CACHE_MEMORY})")
     group.add_argument("--block-size", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)

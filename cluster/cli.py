@@ -112,7 +112,9 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
                               help="LoRA adapters served from the start (with --enable-lora); a client picks one "
                                    "by its NAME in `model`")
     serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
-    serve_parser.add_argument("--num-cpus-per-engine", type=float)
+    serve_parser.add_argument("--num-cpus-per-engine", type=float,
+                              help="CPUs each engine replica reserves in Ray, and then its torch threads (default: "
+                                   "1 reserved, and this node's CPUs shared by the app's engines as threads)")
     scale = serve_parser.add_argument_group("scale-out (Serve deployments)")
     scale.add_argument("--min-replicas", type=int, help="autoscale the engine replicas from this many (default 1 "
                                                         "when --max-replicas is given)")

@@ -33,16 +33,54 @@ def assigned_cpus() -> float:
     return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
 
 
-def use_reserved_cpus(cpu_threads: int | None) -> None:
-    """torch threads for an engine in this actor: ``cpu_threads`` when given (its Worker sets them), else
-    the CPUs the actor reserved. Ray sets OMP_NUM_THREADS to them only when the actor did not inherit one
-    (a shell's OMP_NUM_THREADS=1 would otherwise leave a 4-CPU replica on one thread)."""
-    reserved = assigned_cpus()
-    if cpu_threads is None and reserved > 0:
-        import torch
+def engine_threads(cpu_threads: int | None, reserved_cpus: float, node_cpus: int,
+                   engines_per_node: int | None) -> int | None:
+    """The torch threads of an engine in a Ray actor (None: leave torch's own count).
 
-        torch.set_num_threads(max(1, int(reserved)))
-        logger.info("engine actor: %d torch threads (the %.2f CPUs it reserved)", torch.get_num_threads(), reserved)
+    - ``cpu_threads`` set: those (the engine's Worker sets them).
+    - ``engines_per_node`` None (the operator chose the actor's CPUs, ``num_cpus_per_engine``): the CPUs
+      it reserved, at least 1; none reserved leaves torch's count.
+    - else (the CPUs were left at their default, a 1-CPU scheduling token): this node's CPUs shared by the
+      engines that may run on it, at least 1. A 1-CPU replica on a 2-core node would otherwise decode on one
+      core while the offline engine uses both (vLLM's CPU backend likewise runs a lone engine on every core
+      of its node, whatever Ray reserved).
+    """
+    if cpu_threads is not None:
+        return cpu_threads
+    if engines_per_node is None:
+        return max(1, int(reserved_cpus)) if reserved_cpus > 0 else None
+    return max(1, node_cpus // max(1, engines_per_node))
+
+
+def node_cpus() -> int:
+    """The CPUs an engine on this node may use: those this process may run on (its affinity: a cgroup or
+    taskset limit), at most what Ray says the node has (an operator's `ray start --num-cpus N`)."""
+    from pagedserve.cluster.executor.placement import current_node_cpus
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    told = current_node_cpus() if ray.is_initialized() else 0.0
+    return min(usable, max(1, int(told))) if told > 0 else usable
+
+
+def use_engine_threads(cpu_threads: int | None, engines_per_node: int | None = None) -> None:
+    """Set this actor's torch threads for the engine it hosts (`engine_threads`); outside an actor (a driver,
+    a unit test) nothing changes. Ray sets OMP_NUM_THREADS to the reserved CPUs only when the actor did not
+    inherit one (a shell's OMP_NUM_THREADS=1 would leave a 4-CPU replica on one thread), and torch reads it
+    once: so set them here."""
+    if cpu_threads is not None or not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    reserved = assigned_cpus()
+    threads = engine_threads(None, reserved, node_cpus() if engines_per_node is not None else 0, engines_per_node)
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+    if engines_per_node is None:
+        logger.info("engine actor: %d torch threads (the %.2f CPUs it reserved)", threads, reserved)
+    else:
+        logger.info("engine actor: %d torch threads (this node's CPUs shared by up to %d engines; it reserved "
+                    "%.2f CPUs)", threads, engines_per_node, reserved)
 
 
 def node_ip() -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from ray import serve
 
-from pagedserve.cluster.serve.engine_host import EngineHost
+from pagedserve.cluster.serve.engine_host import EngineHost, default_thread_share
 from pagedserve.cluster.serve.ingress import PagedServeIngress, connect_engines
 from pagedserve.cluster.serve.pd_pools import deployment_kv_secret
 from pagedserve.cluster.serving.app import build_fastapi_app
@@ -108,6 +108,22 @@ def engine_replica_options(args: ServeArgs, name: str, engine_kwargs: dict[str, 
     return options
 
 
+def most_replicas(options: dict[str, Any]) -> int:
+    """The most replicas a deployment with these Serve options may run (its count, or autoscaling's max)."""
+    if "autoscaling_config" in options:
+        return int(options["autoscaling_config"]["max_replicas"])
+    return int(options["num_replicas"])
+
+
+def engine_thread_share(args: ServeArgs, engine_kwargs: dict[str, Any], max_engines: int) -> int | None:
+    """`EngineHost(engines_per_node=...)`: None when the operator set `num_cpus_per_engine` (the replica then
+    runs that many threads), else the app's most engines (`max_engines`) sharing a node's CPUs
+    (`engine_host.default_thread_share`)."""
+    if "num_cpus_per_engine" in args.model_fields_set:
+        return None
+    return default_thread_share(engine_kwargs, max_engines)
+
+
 def check_engine_placeable(args: ServeArgs, options: dict[str, Any]) -> None:
     """Raise ValueError (before any replica starts) when no node or set of nodes can ever hold one engine
     replica: its placement-group bundles (TP/PP > 1) or its actor's resources."""
@@ -154,7 +170,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     # One KV secret per app build for every engine replica (unless the operator set PAGEDSERVE_KV_SECRET[_FILE],
     # which every replica then reads): the offload tier's reads between replicas are signed with it.
     engine = serve.deployment(EngineHost).options(**options).bind(
-        engine_kwargs, max_pending_requests=validated.max_pending_requests, kv_secret=deployment_kv_secret())
+        engine_kwargs, max_pending_requests=validated.max_pending_requests, kv_secret=deployment_kv_secret(),
+        engines_per_node=engine_thread_share(validated, engine_kwargs, most_replicas(options)))
     ingress_args = validated.to_dict()
     return PagedServeIngress.options(name=f"{validated.app_name}-ingress",
                                      num_replicas=validated.num_ingress_replicas).bind(ingress_args, connect_engines, engine)

@@ -10,8 +10,11 @@ flight when an actor dies fail (the coordinator turns that into `EngineDeadError
 only) instead of being replayed silently. If the engine loop inside a live actor dies, the host's
 watchdog exits the process so that Ray restarts it.
 
-- `start_engine_actors(engine_kwargs, data_parallel_size, ..., max_pending_requests=1024,
-  stall_timeout_s=120.0, max_concurrency=None)`: create them (not waiting).
+- `start_engine_actors(engine_kwargs, data_parallel_size, num_cpus_per_engine=None, ...,
+  max_pending_requests=1024, stall_timeout_s=120.0, max_concurrency=None)`: create them (not waiting).
+  `num_cpus_per_engine` None reserves 1 CPU per actor and lets each run this node's CPUs divided by
+  `data_parallel_size` torch threads (`ray_utils.engine_threads`); a number reserves that many, which are
+  then its threads.
 - `wait_engines_ready(engines, timeout_s=None) -> list[dict]`: block until every actor's `ready()` answers.
 - `engine_actor_options`: the Ray options of one engine actor (placement: see `placement`).
 """
@@ -26,7 +29,7 @@ from ray.exceptions import ActorUnavailableError
 
 from pagedserve.cluster.executor.placement import pinned_engine_kwargs, plan_engine_placement, warn_if_gpus_short
 from pagedserve.cluster.executor.ray_utils import ensure_ray
-from pagedserve.cluster.serve.engine_host import EngineHost
+from pagedserve.cluster.serve.engine_host import EngineHost, default_thread_share
 from pagedserve.engine.config import EngineConfig
 
 
@@ -34,7 +37,7 @@ from pagedserve.engine.config import EngineConfig
 def start_engine_actors(
     engine_kwargs: dict,
     data_parallel_size: int,
-    num_cpus_per_engine: float = 1,
+    num_cpus_per_engine: float | None = None,
     name_prefix: str | None = None,
     max_restarts: int = -1,
     max_pending_requests: int = 1024,
@@ -44,6 +47,9 @@ def start_engine_actors(
     """Create `data_parallel_size` restartable engine actors (not waiting for them; see `wait_engines_ready`)."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size: must be >= 1, got {data_parallel_size}")
+    engines_per_node = None
+    if num_cpus_per_engine is None:  # a 1-CPU token in Ray; the threads: the node's CPUs, shared
+        num_cpus_per_engine, engines_per_node = 1.0, default_thread_share(engine_kwargs, data_parallel_size)
     if num_cpus_per_engine < 0:
         raise ValueError(f"num_cpus_per_engine: must be >= 0, got {num_cpus_per_engine}")
     if max_pending_requests < 1:
@@ -60,7 +66,8 @@ def start_engine_actors(
     for index in range(data_parallel_size):
         named = dict(options, name=f"{name_prefix}-{index}") if name_prefix is not None else options
         engines.append(
-            actor_cls.options(**named).remote(pinned_kwargs, index, max_pending_requests, stall_timeout_s)
+            actor_cls.options(**named).remote(pinned_kwargs, index, max_pending_requests, stall_timeout_s,
+                                              engines_per_node=engines_per_node)
         )
     return engines
 

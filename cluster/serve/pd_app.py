@@ -30,7 +30,7 @@ from pydantic import SecretStr
 from ray import serve
 
 from pagedserve.cluster.pd_settings import pool_scaling, side_layout_kwargs
-from pagedserve.cluster.serve.app import engine_replica_options, look_back
+from pagedserve.cluster.serve.app import engine_replica_options, engine_thread_share, look_back, most_replicas
 from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.ingress import EngineConnection, PagedServeIngress
 from pagedserve.cluster.serve.pd_autoscaling import role_policy
@@ -87,12 +87,15 @@ def build_pd_app(args: ServeArgs) -> serve.Application:
     resources = _cluster_resources()
     pools = {}
     # One secret per app build, for every engine of both deployments (unless the operator set one).
-    for role, spec in pool_specs(args, kv_secret=deployment_kv_secret()).items():
-        options = pool_deployment_options(args, spec, resources)
+    specs = pool_specs(args, kv_secret=deployment_kv_secret())
+    options = {role: pool_deployment_options(args, spec, resources) for role, spec in specs.items()}
+    engines = sum(most_replicas(role_options) for role_options in options.values())  # both pools share nodes
+    for role, spec in specs.items():
         kwargs = {**pinned_engine_kwargs(spec.engine_kwargs, plan_engine_placement(spec.engine_kwargs, resources)),
                   "kv_transfer_config": spec.kv_transfer_config()}
-        pools[role] = serve.deployment(EngineHost).options(**options).bind(
-            kwargs, max_pending_requests=spec.max_pending_requests, stall_timeout_s=spec.stall_timeout_s)
+        pools[role] = serve.deployment(EngineHost).options(**options[role]).bind(
+            kwargs, max_pending_requests=spec.max_pending_requests, stall_timeout_s=spec.stall_timeout_s,
+            engines_per_node=engine_thread_share(args, spec.engine_kwargs, engines))
     return PagedServeIngress.options(name=f"{args.app_name}-ingress", num_replicas=args.num_ingress_replicas).bind(
         args.to_dict(), connect_pd, pools)
 
