@@ -9,8 +9,9 @@
 // statistics and rotations in float32, the results rounded to the activation dtype where the twins round.
 // Only the order of the RMSNorm sum of squares differs (sixteen float32 lanes, then their sum), and SiLU's
 // exp is vec_math.h's (within about an ulp of torch's), so results agree with the twins up to float32
-// summation order and an ulp of exp. Each op runs 16 elements at a time (vec_math.h's loads and stores
-// convert bf16 / fp16 exactly as the scalar casts do), a scalar loop taking the tail. Contraction into fused multiply-adds is off in this
+// summation order and an ulp of exp. RMSNorm and SiLU-and-mul run 16 elements at a time (vec_math.h's loads
+// and stores convert bf16 / fp16 exactly as the scalar casts do), a scalar loop taking the tail; rotary
+// stays scalar (16-wide halves measured slower at one token). Contraction into fused multiply-adds is off in this
 // file: `a * c - b * s` rounds its two products as torch does.
 
 #pragma GCC optimize("fp-contract=off")
@@ -151,14 +152,7 @@ void rotate(const int64_t* positions, const T* in, int64_t in_stride, T* out, in
       for (int64_t h = 0; h < heads; ++h) {
         const T* x = src + h * head_size;
         T* y = dst + h * head_size;
-        int64_t i = 0;
-        if (is_neox)  // the two halves are contiguous: 16 pairs at a time, the same roundings
-          for (; i + 16 <= half; i += 16) {
-            const vec16 a = load16(x + i), b = load16(x + i + half), c = load16(cos + i), s = load16(sin + i);
-            store16(y + i, a * c - b * s);
-            store16(y + i + half, b * c + a * s);
-          }
-        for (; i < half; ++i) {
+        for (int64_t i = 0; i < half; ++i) {
           const int64_t ia = is_neox ? i : 2 * i, ib = is_neox ? i + half : 2 * i + 1;
           const float a = to_f(x[ia]), b = to_f(x[ib]), c = to_f(cos[i]), s = to_f(sin[i]);
           const float ac = a * c, bs = b * s, bc = b * c, as = a * s;
