@@ -142,11 +142,12 @@ inline void to_even_odd(float* x, int64_t n) {
 // scores (45 shuffles and adds instead of 16 horizontal sums); (2) the exponentials, 16 at a time; (3) the
 // values: up to 6 query heads x 64 dimensions of output stay in registers over a block while each value row,
 // widened once, is multiplied by the heads' broadcast probabilities. bf16 rows are widened 32 elements per
-// load (widen32_even_odd). AVX-512 BF16's vdpbf16ps is not used: on the machines measured it issues at a
-// quarter of the FMA rate, slower than widening.
-// The next block's rows are requested one line per 128 bytes: the L2's adjacent-line prefetcher completes
-// each aligned pair, and a prefetch per line costs more issue slots than it saves at small head sizes.
-constexpr int64_t kPrefetchStride = 128;
+// load (widen32_even_odd). AVX-512 BF16's vdpbf16ps is not used: on the machine measured (a 2-core
+// Sapphire Rapids VM) it issued at a quarter of the FMA rate, and scoring with it was no faster.
+// The next block's rows are requested line by line (not every other line, leaving the pair to the L2's
+// adjacent-line prefetcher, which a host may have turned off): in paired runs on a loaded 2-core machine
+// the two were within noise of each other.
+constexpr int64_t kPrefetchStride = 64;
 
 // Lane t of the result is the sum of the 16 lanes of acc[t].
 inline __m512 sum_each16(const __m512 (&acc)[16]) {
