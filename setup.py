@@ -19,5 +19,5 @@ for folder in SUBPACKAGES:
 setup(
     package_dir=package_dir,
     packages=packages,
-    package_data={"pagedserve.kernels": ["cpu/*.cpp"]},
+    package_data={"pagedserve.kernels": ["cpu/*.cpp", "cpu/*.h"]},
 )

@@ -56,6 +56,7 @@ def test_wheel_holds_only_the_pagedserve_package(wheel):
     for folder in GENERIC_NAMES:
         assert f"pagedserve/{folder}/__init__.py" in names
     assert "pagedserve/kernels/cpu/paged_attention.cpp" in names  # the compiled CPU ops' sources ship too
+    assert "pagedserve/kernels/cpu/vec_math.h" in names  # and the header they include
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "pagedserve = pagedserve.cli:main" in entry_points
 

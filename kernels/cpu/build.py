@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("registration.cpp", "paged_attention.cpp", "cache.cpp",
                                                       "gguf_linear.cpp", "elementwise.cpp")]
+# Included by the sources: not compiled on their own, but part of what a build directory is keyed by.
+HEADERS = [Path(__file__).with_name("vec_math.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
 ENV_SWITCH = "PAGEDSERVE_CPU_OPS"
@@ -71,7 +73,7 @@ def build_key() -> dict[str, str]:
 
 def build_directory() -> Path:
     digest = hashlib.sha256()
-    for src in SOURCES:  # by path too: torch's build file names them, two checkouts would rebuild in turn
+    for src in SOURCES + HEADERS:  # by path too: torch's build file names them, two checkouts would rebuild in turn
         digest.update(f"{src.resolve()}\0".encode())
         digest.update(src.read_bytes())
     for name, value in sorted(build_key().items()):

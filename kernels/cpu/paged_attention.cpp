@@ -6,6 +6,8 @@
 // each key against the G query heads grouped on its KV head (the key is read once for all G), then walks
 // the values the same way, weighted by the softmax numerators. A sequence split into several partitions
 // (split-K, for long contexts or too few sequences to occupy every thread) is merged by log-sum-exp.
+// With AVX-512 (head sizes a multiple of 16) the item is walked block by block instead, keys scored 16 at a
+// time and the outputs kept in registers (see "The AVX-512 path" below); elsewhere the generic vectors do it.
 //
 // torch.ops.pagedserve.paged_decode_attention (schema in registration.cpp).
 
@@ -13,15 +15,31 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
+using pagedserve_cpu::exp16;
+using pagedserve_cpu::load16;
+using pagedserve_cpu::vec16;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kAvx512Path = true;  // the AVX-512 path below is compiled in
+#else
+constexpr bool kAvx512Path = false;
+#endif
 constexpr int64_t kMinPartitionTokens = 256;
 constexpr int64_t kMaxPartitionTokens = 2048;
 constexpr int64_t kSplitBelowSeqs = 16;  // batches this small split contexts into several partitions
@@ -29,66 +47,15 @@ constexpr int64_t kPrefetchBytes = 2048;
 // Below this many query-head x key x head-dim products a call runs on the calling thread: waking the
 // pool costs more than the work (and on a busy machine a descheduled worker stalls the whole call).
 constexpr int64_t kInlineWork = 1 << 17;
+// The AVX-512 path does the same work in about half the time: twice the products for the same ~25 us of
+// single-thread work (one sequence of ~450 tokens on the default model's shapes).
+constexpr int64_t kInlineWorkAvx512 = 1 << 18;
 
-// 16-float vectors through the compiler's generic vector extension (AVX-512 here, split on narrower ISAs).
-using vec16 = float __attribute__((vector_size(64)));
 using vec8 = float __attribute__((vector_size(32)));
 using vec4 = float __attribute__((vector_size(16)));
-using u16x16 = uint16_t __attribute__((vector_size(32)));
-using u32x16 = uint32_t __attribute__((vector_size(64)));
-using f16x16 = _Float16 __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 16;
 
-// Load 16 elements widened to float (bf16: the 16 bits are the top half of the float).
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vec16 load16(const c10::BFloat16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  vec16 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-
-inline vec16 load16(const c10::Half* p) {
-  f16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, vec16);
-}
-
 inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
-
-// exp of 16 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial, ~2 ulp), vectorised
-// because a scalar expf per score and head is a quarter of the op's time at small head sizes.
-// Inputs at or below -87.3 give 0 (no denormals); the op only exponentiates score - max <= 0.
-inline vec16 exp16(vec16 x) {
-  using i32x16 = int32_t __attribute__((vector_size(64)));
-  const vec16 lo = vec16{} - 87.3365447505531f, hi = vec16{} + 88.3762626647949f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const vec16 clamped = x;
-  vec16 fx = x * 1.44269504088896341f + 0.5f;  // floor(x / ln 2 + 0.5)
-  const vec16 truncated = __builtin_convertvector(__builtin_convertvector(fx, i32x16), vec16);
-  fx = truncated > fx ? truncated - 1.f : truncated;
-  x = x - fx * 0.693359375f - fx * -2.12194440e-4f;
-  vec16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * (x * x) + x + 1.f;
-  const i32x16 n = __builtin_convertvector(fx, i32x16);
-  const i32x16 bits = (n + 127) << 23;  // 2^n; n = -126 at the lower clamp, so the exponent stays >= 1
-  vec16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  const vec16 result = y * scale;
-  return clamped <= lo ? vec16{} : result;
-}
 
 // Pairwise halving: a lane-by-lane loop would be a chain of 16 dependent scalar adds.
 inline float hsum(vec16 v) {
@@ -153,6 +120,246 @@ template <typename T>
 inline void prefetch_row(const T* row, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+}
+
+// Whether the AVX-512 path reads T's rows as [16 even, 16 odd] per 32 elements (bf16) rather than in order.
+template <typename T>
+constexpr bool kEvenOdd = std::is_same_v<T, c10::BFloat16>;
+
+// Each whole 32 elements of a row of n floats reordered as [16 even, 16 odd] (a tail of 16 stays).
+inline void to_even_odd(float* x, int64_t n) {
+  float tmp[32];
+  for (int64_t d = 0; d + 32 <= n; d += 32) {
+    for (int i = 0; i < 16; ++i) tmp[i] = x[d + 2 * i], tmp[16 + i] = x[d + 2 * i + 1];
+    std::memcpy(x + d, tmp, sizeof(tmp));
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The AVX-512 path (head sizes a multiple of 16), per work item, block by block and within a block KV head
+// by KV head: (1) the scores, 16 keys at a time: one query head's 16 dot products accumulate in 16 registers
+// (the key row widened as it is loaded), then one transposing reduction tree turns them into a vector of 16
+// scores (45 shuffles and adds instead of 16 horizontal sums); (2) the exponentials, 16 at a time; (3) the
+// values: up to 6 query heads x 64 dimensions of output stay in registers over a block while each value row,
+// widened once, is multiplied by the heads' broadcast probabilities. bf16 rows are widened 32 elements per
+// load (widen32_even_odd). AVX-512 BF16's vdpbf16ps is not used: on the machine measured (a 2-core
+// Sapphire Rapids VM) it issued at a quarter of the FMA rate, and scoring with it was no faster.
+// The next block's rows are requested line by line (not every other line, leaving the pair to the L2's
+// adjacent-line prefetcher, which a host may have turned off): in paired runs on a loaded 2-core machine
+// the two were within noise of each other.
+constexpr int64_t kPrefetchStride = 64;
+
+// Lane t of the result is the sum of the 16 lanes of acc[t].
+inline __m512 sum_each16(const __m512 (&acc)[16]) {
+  // The tree leaves input j's sum at lane 4 * (j % 4) + j / 4, so it is fed acc in that transposed order.
+  __m512 s[8], r[4];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows: each 128-bit lane keeps a half of one row's partials
+    const __m512 x = acc[4 * ((2 * i) % 4) + (2 * i) / 4], y = acc[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)  // one row per 128-bit lane, four partials each
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(r[0], r[1]), _mm512_unpackhi_ps(r[0], r[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(r[2], r[3]), _mm512_unpackhi_ps(r[2], r[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+}
+
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 widen16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// bf16 as floats, 32 at a time from one load: the even elements shifted up, the odd ones masked (two cheap
+// integer operations instead of a widening shuffle per 16). Whatever multiplies them (the query in the
+// scores, the accumulators of the values) is kept in the same [16 even, 16 odd] order per 32 elements.
+inline void widen32_even_odd(const c10::BFloat16* p, __m512& even, __m512& odd) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// q . row for one query head (float, in the row's element order) and one key row of head_size elements.
+// D > 0: the head size as a constant (fully unrolled); 0: head_size.
+template <int D, typename T>
+inline __m512 dot_row(const T* k, const float* q, int64_t head_size) {
+  const int64_t hs = D > 0 ? D : head_size;
+  __m512 a = _mm512_setzero_ps();
+  int64_t d = 0;
+  if constexpr (kEvenOdd<T>) {
+    for (; d + 32 <= hs; d += 32) {
+      __m512 even, odd;
+      widen32_even_odd(k + d, even, odd);
+      a = _mm512_fmadd_ps(even, _mm512_loadu_ps(q + d), a);
+      a = _mm512_fmadd_ps(odd, _mm512_loadu_ps(q + d + 16), a);
+    }
+  }
+  for (; d < hs; d += 16) a = _mm512_fmadd_ps(widen16(k + d), _mm512_loadu_ps(q + d), a);
+  return a;
+}
+
+// Dot products of one query head with 16 key rows (row i at k + i * stride); lane i of the result is
+// row i's. Row by row, one pointer advanced by the stride: 16 row addresses live at once would spill.
+template <int D, typename T>
+inline __m512 dots16(const T* k, int64_t stride, const float* q, int64_t head_size) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i, k += stride) acc[i] = dot_row<D>(k, q, head_size);
+  return sum_each16(acc);
+}
+
+// Where the work item's rows are: token t's row (all KV heads) is block_row(t); the block holding t ends
+// at block_end(t); the next block's rows are requested while this one is processed.
+template <typename T>
+struct PagedRows {
+  const T* cache;
+  const int32_t* table;
+  int64_t block_size, block_stride, token_stride;
+  int64_t head_begin, row_elems;  // the item's KV heads within a token row: offset and extent in elements
+
+  const T* row(int64_t t) const {
+    return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_begin;
+  }
+  int64_t block_end(int64_t t, int64_t t1) const { return std::min(t1, t - t % block_size + block_size); }
+  void prefetch_block_of(int64_t t) const {
+    const char* base = reinterpret_cast<const char*>(cache + table[t / block_size] * block_stride + head_begin);
+    const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
+    for (int64_t i = 0; i < block_size; ++i)
+      for (int64_t b = 0; b < bytes; b += kPrefetchStride)
+        __builtin_prefetch(base + i * token_stride * static_cast<int64_t>(sizeof(T)) + b);
+  }
+};
+
+// Scores of the item's query heads for its tokens [t0, t1): scores[h * stride + j] for token t0 + j and the
+// item's h-th query head (KV head h / group at kv_stride elements into a row). Keys are taken 16 at a time
+// within a block, every KV head of a block before the next block; a shorter run (a partial block, or blocks
+// under 16 tokens) is first copied into a zero-padded tile.
+template <int D, typename T>
+void key_scores(const PagedRows<T>& rows, int64_t kv_heads, int64_t kv_stride, int64_t t0, int64_t t1,
+                const float* q, int64_t group, int64_t head_size, float scale, float* scores,
+                int64_t stride, T* tile) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const int64_t row_bytes = head_size * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = t0; t < t1;) {
+    const int64_t block_end = rows.block_end(t, t1);
+    if (block_end < t1) rows.prefetch_block_of(block_end);
+    for (; t < block_end;) {
+      const int64_t m = std::min<int64_t>(16, block_end - t);
+      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+      const T* base = rows.row(t);
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        const T* keys = base + kh * kv_stride;
+        int64_t key_stride = rows.token_stride;
+        if (m < 16) {
+          for (int64_t i = 0; i < m; ++i) std::memcpy(tile + i * head_size, keys + i * key_stride, row_bytes);
+          std::memset(static_cast<void*>(tile + m * head_size), 0, (16 - m) * row_bytes);
+          keys = tile;
+          key_stride = head_size;
+        }
+        for (int64_t g = kh * group; g < (kh + 1) * group; ++g) {
+          const __m512 dots = dots16<D>(keys, key_stride, q + g * head_size, head_size);
+          _mm512_mask_storeu_ps(scores + g * stride + (t - t0), mask, _mm512_mul_ps(dots, scale_v));
+        }
+      }
+      t += m;
+    }
+  }
+}
+
+// acc[g * head_size + v * 16 ...] += sum over n tokens (rows `token_stride` apart) of p[g * stride + j] *
+// row_j[v * 16 ...], for NH query heads and NV 16-wide slices of the head dimension: the NH x NV
+// accumulators stay in registers over the run.
+template <typename T, int NH, int NV>
+void value_tile(const T* row, int64_t token_stride, int64_t n, const float* p, int64_t stride, float* acc,
+                int64_t head_size) {
+  __m512 a[NH][NV];
+  for (int g = 0; g < NH; ++g)
+    for (int v = 0; v < NV; ++v) a[g][v] = _mm512_loadu_ps(acc + g * head_size + v * 16);
+  for (int64_t j = 0; j < n; ++j, row += token_stride) {
+    __m512 x[NV];
+    if constexpr (kEvenOdd<T> && NV % 2 == 0) {  // the accumulators hold each 32 dimensions as [even, odd]
+      for (int v = 0; v < NV; v += 2) widen32_even_odd(row + v * 16, x[v], x[v + 1]);
+    } else {
+      for (int v = 0; v < NV; ++v) x[v] = widen16(row + v * 16);
+    }
+    for (int g = 0; g < NH; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * stride + j]);
+      for (int v = 0; v < NV; ++v) a[g][v] = _mm512_fmadd_ps(pg, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < NH; ++g)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * head_size + v * 16, a[g][v]);
+}
+
+template <typename T, int NV>
+void value_tile_heads(int64_t nh, const T* row, int64_t token_stride, int64_t n, const float* p, int64_t stride,
+                      float* acc, int64_t head_size) {
+  switch (nh) {
+    case 1: value_tile<T, 1, NV>(row, token_stride, n, p, stride, acc, head_size); break;
+    case 2: value_tile<T, 2, NV>(row, token_stride, n, p, stride, acc, head_size); break;
+    case 3: value_tile<T, 3, NV>(row, token_stride, n, p, stride, acc, head_size); break;
+    case 4: value_tile<T, 4, NV>(row, token_stride, n, p, stride, acc, head_size); break;
+    case 5: value_tile<T, 5, NV>(row, token_stride, n, p, stride, acc, head_size); break;
+    default: value_tile<T, 6, NV>(row, token_stride, n, p, stride, acc, head_size); break;
+  }
+}
+
+// The probability-weighted values of the item's query heads, added into acc [heads, head_size]: block by
+// block, every KV head of a block before the next block, in tiles of up to 6 query heads x 64 dimensions
+// (24 accumulator registers) that stay in registers over the block.
+template <typename T>
+void weighted_values(const PagedRows<T>& rows, int64_t kv_heads, int64_t kv_stride, int64_t t0, int64_t t1,
+                     const float* probs, int64_t stride, int64_t group, int64_t head_size, float* acc) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t block_end = rows.block_end(t, t1), n = block_end - t;
+    if (block_end < t1) rows.prefetch_block_of(block_end);
+    const T* base = rows.row(t);
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      for (int64_t g = kh * group; g < (kh + 1) * group; g += 6) {
+        const int64_t nh = std::min<int64_t>(6, (kh + 1) * group - g);
+        const float* p = probs + g * stride + (t - t0);
+        for (int64_t d = 0; d < head_size;) {
+          const T* row = base + kh * kv_stride + d;
+          float* a = acc + g * head_size + d;
+          const int64_t left = (head_size - d) / 16;
+          if (left >= 4) {
+            value_tile_heads<T, 4>(nh, row, rows.token_stride, n, p, stride, a, head_size);
+            d += 64;
+          } else if (left >= 2) {
+            value_tile_heads<T, 2>(nh, row, rows.token_stride, n, p, stride, a, head_size);
+            d += 32;
+          } else {
+            value_tile_heads<T, 1>(nh, row, rows.token_stride, n, p, stride, a, head_size);
+            d += 16;
+          }
+        }
+      }
+    }
+    t = block_end;
+  }
+}
+// bf16 values are accumulated with each 32 dimensions as [16 even, 16 odd] (value_tile); back into order.
+inline void interleave_even_odd(float* acc, int64_t heads, int64_t head_size) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = h * head_size; d + 32 <= (h + 1) * head_size; d += 32) {
+      const __m512 even = _mm512_loadu_ps(acc + d), odd = _mm512_loadu_ps(acc + d + 16);
+      const __m512 lo = _mm512_unpacklo_ps(even, odd), hi = _mm512_unpackhi_ps(even, odd);
+      _mm512_storeu_ps(acc + d, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(acc + d + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+}
+#endif
+
+// This thread's scratch buffer of at least n floats (contents undefined), kept for later calls.
+inline float* thread_scratch(int64_t n) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
 }
 
 // One unit of parallel work: a context partition of one sequence, for a contiguous range of KV heads.
@@ -237,13 +444,24 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   std::vector<float> partial_max(plan.num_partials * num_heads), partial_sum(plan.num_partials * num_heads);
 
   const bool vectorised = head_size % kLanes == 0;
+  const bool fast = kAvx512Path && vectorised;  // the AVX-512 path (else the generic vectors below)
   int64_t work = 0;
   for (const WorkItem& it : items) work += (it.token_end - it.token_begin) * (it.kv_head_end - it.kv_head_begin);
-  const bool run_inline = work * group * head_size < kInlineWork;
+  const bool run_inline = work * group * head_size < (fast ? kInlineWorkAvx512 : kInlineWork);
   at::parallel_for(0, num_items, run_inline ? std::max<int64_t>(num_items, 1) : 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_f(num_heads * head_size), row(head_size), scores(num_heads * round_up(plan.max_tokens, kLanes));
-    // Output accumulator of items that write directly (partials have their own slots), exp-sum per head.
-    std::vector<float> direct_acc(num_heads * head_size), sum_of(num_heads), probs(group);
+    // Per-thread scratch, reused across calls (a call allocating seven buffers costs more than a short
+    // context's arithmetic): the query widened to float, a row widened to float (generic path), the
+    // scores, the accumulator of items that write their output directly (partials have their own slots),
+    // the exp-sum per head, one token's probabilities, and (fast path) a zero-padded tile of 16 keys.
+    const int64_t score_elems = num_heads * round_up(plan.max_tokens, kLanes);
+    const int64_t tile_floats = fast ? (16 * head_size * static_cast<int64_t>(sizeof(T)) + 3) / 4 : 0;
+    float* q_f = thread_scratch(2 * num_heads * head_size + head_size + score_elems + num_heads + group + tile_floats);
+    float* direct_acc = q_f + num_heads * head_size;
+    float* row = direct_acc + num_heads * head_size;
+    float* scores = row + head_size;
+    float* sum_of = scores + score_elems;
+    float* probs = sum_of + num_heads;
+    T* tile = reinterpret_cast<T*>(probs + group);
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& it = items[i];
       const int64_t t0 = it.token_begin, t1 = it.token_end, n = t1 - t0;
@@ -256,9 +474,14 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       const int64_t prefetch_tokens = std::max<int64_t>(1, kPrefetchBytes / (row_elems * static_cast<int64_t>(sizeof(T))));
       const int32_t* table = tables + it.seq * table_stride;
       for (int64_t h = h_begin; h < h_end; ++h) {
-        float* qh = q_f.data() + h * head_size;
-        to_float(q_data + it.seq * q_seq_stride + h * q_head_stride, qh, head_size);
-        for (int64_t d = 0; d < head_size; ++d) qh[d] *= scale_f;
+        const T* src = q_data + it.seq * q_seq_stride + h * q_head_stride;
+        float* qh = q_f + h * head_size;
+        to_float(src, qh, head_size);
+        if (fast) {  // the scores are scaled after the dot products, the query read in the keys' order
+          if (kEvenOdd<T>) to_even_odd(qh, head_size);
+        } else {
+          for (int64_t d = 0; d < head_size; ++d) qh[d] *= scale_f;
+        }
       }
       // Visit the item's tokens block by block: fn(j, row) with j the token's index in the partition and
       // row its K or V for the item's KV heads (contiguous per head, heads cache_head_stride apart).
@@ -276,30 +499,52 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
           }
         }
       };
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      auto fast_rows = [&](const T* cache) {
+        return PagedRows<T>{cache, table, block_size, cache_block_stride, cache_token_stride, row_offset, row_elems};
+      };
+#endif
       // Scores: each key row read once for the G query heads grouped on its KV head.
-      for_each_token(k_data, [&](int64_t j, const T* krow) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if (fast) {
+        auto scores_with = [&](auto head_size_constant) {
+          key_scores<decltype(head_size_constant)::value>(
+              fast_rows(k_data), kv_end - kv_begin, cache_head_stride, t0, t1, q_f + h_begin * head_size,
+              group, head_size, scale_f, scores + h_begin * stride, stride, tile);
+        };
+        if (head_size == 64) scores_with(std::integral_constant<int, 64>{});
+        else if (head_size == 128) scores_with(std::integral_constant<int, 128>{});
+        else scores_with(std::integral_constant<int, 0>{});
+      }
+#endif
+      if (!fast) for_each_token(k_data, [&](int64_t j, const T* krow) {
         for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
           const T* k = krow + (kh - kv_begin) * cache_head_stride;
           for (int64_t g = 0; g < group; g += 4) {
             const int64_t h = kh * group + g, count = std::min<int64_t>(4, group - g);
             float dots[4];
             if (vectorised) {
-              dot_heads(q_f.data() + h * head_size, k, head_size, count, dots);
+              dot_heads(q_f + h * head_size, k, head_size, count, dots);
             } else {
-              to_float(k, row.data(), head_size);
-              for (int64_t c = 0; c < count; ++c) dots[c] = dot(q_f.data() + (h + c) * head_size, row.data(), head_size);
+              to_float(k, row, head_size);
+              for (int64_t c = 0; c < count; ++c) dots[c] = dot(q_f + (h + c) * head_size, row, head_size);
             }
             for (int64_t c = 0; c < count; ++c) scores[(h + c) * stride + j] = dots[c];
           }
         }
       });
-      float* acc = it.partial >= 0 ? partial_acc.data() + it.partial * num_heads * head_size : direct_acc.data();
+      float* acc = it.partial >= 0 ? partial_acc.data() + it.partial * num_heads * head_size : direct_acc;
       for (int64_t h = h_begin; h < h_end; ++h) {
-        float* sc = scores.data() + h * stride;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
+        float* sc = scores + h * stride;
         // The row is padded to whole vectors with -inf, whose exp is 0: every score takes the same path.
         std::fill(sc + n, sc + round_up(n, kLanes), -std::numeric_limits<float>::infinity());
+        vec16 maxes = vec16{} - std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; j += kLanes) {  // lane-wise: a scalar max is one long dependency chain
+          const vec16 x = load16(sc + j);
+          maxes = x > maxes ? x : maxes;
+        }
+        float m = maxes[0];
+        for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, maxes[l]);
         vec16 sums = {};
         for (int64_t j = 0; j < n; j += kLanes) {
           const vec16 e = exp16(load16(sc + j) - m);
@@ -315,15 +560,22 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         std::fill(acc + h * head_size, acc + (h + 1) * head_size, 0.f);
       }
       // Values, weighted by the softmax numerators, each row read once for its G query heads.
-      for_each_token(v_data, [&](int64_t j, const T* vrow) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if (fast) {
+        weighted_values(fast_rows(v_data), kv_end - kv_begin, cache_head_stride, t0, t1, scores + h_begin * stride,
+                        stride, group, head_size, acc + h_begin * head_size);
+        if constexpr (kEvenOdd<T>) interleave_even_odd(acc + h_begin * head_size, h_end - h_begin, head_size);
+      }
+#endif
+      if (!fast) for_each_token(v_data, [&](int64_t j, const T* vrow) {
         for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
           const T* v = vrow + (kh - kv_begin) * cache_head_stride;
           for (int64_t g = 0; g < group; ++g) probs[g] = scores[(kh * group + g) * stride + j];
           if (vectorised) {
-            axpy_heads(probs.data(), v, head_size, group, acc + kh * group * head_size);
+            axpy_heads(probs, v, head_size, group, acc + kh * group * head_size);
           } else {
-            to_float(v, row.data(), head_size);
-            for (int64_t g = 0; g < group; ++g) axpy(probs[g], row.data(), acc + (kh * group + g) * head_size, head_size);
+            to_float(v, row, head_size);
+            for (int64_t g = 0; g < group; ++g) axpy(probs[g], row, acc + (kh * group + g) * head_size, head_size);
           }
         }
       });

@@ -107,6 +107,24 @@ def test_two_checkouts_keep_their_own_build(monkeypatch, tmp_path):
     assert build.build_directory() != here
 
 
+def test_build_directory_changes_with_the_included_header(monkeypatch, tmp_path):
+    """vec_math.h is compiled into the sources that include it: a changed header is a different build."""
+    from pagedserve.kernels.cpu import build
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("SOURCES", "HEADERS"):
+        copies = [checkout / src.name for src in getattr(build, name)]
+        for src, copy in zip(getattr(build, name), copies):
+            copy.write_bytes(src.read_bytes())
+        monkeypatch.setattr(build, name, copies)
+    before = build.build_directory()
+    header = build.HEADERS[0]
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert build.build_directory() != before
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size",
@@ -157,6 +175,50 @@ def test_compiled_decode_is_bitwise_stable_across_thread_counts_and_close_across
         assert all(torch.equal(r, results[0]) for r in results)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    # The default model's shape (9/3, 64, 16); blocks shorter and longer than the 16 keys scored at once;
+    # bf16 head sizes that end in half a 32-element pair (48, 80); 7 query heads per KV head (a tile of 6
+    # and one of 1 in the values); head sizes 16 and 256.
+    [(9, 3, 64, 16), (9, 3, 64, 8), (6, 2, 48, 32), (14, 2, 80, 16), (7, 1, 64, 16), (2, 2, 16, 16), (4, 2, 256, 16)],
+)
+def test_compiled_decode_lengths_across_chunk_and_block_edges(dtype, num_heads, num_kv_heads, head_size, block_size):
+    # One batch of mixed lengths: under, at and over 16-key chunks and blocks, and split-K partitions.
+    seq_lens = [1, 2, 15, 16, 17, 31, 33, 100, 255, 513]
+    batch = make_paged_batch(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=head_size + block_size)
+    query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
+    scale = head_size ** -0.5
+    out = compiled_decode(query, batch, seq_lens, scale)
+    ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), scale)
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [3, 17, 40, 260])
+def test_compiled_decode_sliding_window_starts_inside_a_block(dtype, sliding_window):
+    """Windows that start mid-block (and mid 16-key chunk) on the default model's shape."""
+    seq_lens = [5, 23, 64, 71, 300]
+    batch = make_paged_batch(seq_lens, 3, 64, 16, dtype, seed=sliding_window)
+    query = torch.randn(len(seq_lens), 9, 64).to(dtype)
+    out = compiled_decode(query, batch, seq_lens, 0.125, sliding_window)
+    ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), 0.125, sliding_window=sliding_window)
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decode_on_caches_with_padded_heads(dtype):
+    """K/V caches that are views with a head stride wider than the head (the op reads strides, not sizes)."""
+    seq_lens = [7, 40, 129]
+    wide = make_paged_batch(seq_lens, 3, 80, 16, dtype, seed=4)
+    batch = type(wide)(wide.key_cache[..., :64], wide.value_cache[..., :64], wide.block_tables, seq_lens)
+    assert batch.key_cache.stride(2) == 80
+    query = torch.randn(len(seq_lens), 9, 64).to(dtype)
+    out = compiled_decode(query, batch, seq_lens, 0.125)
+    ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), 0.125)
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("scale", [4.0, 50.0])
@@ -356,6 +418,20 @@ def test_compiled_silu_and_mul_matches_twin(dtype):
     # float32: its own expf (within an ulp of torch's); bf16/fp16: rounded to the same values.
     torch.testing.assert_close(got, silu_and_mul_torch(x), **tolerance(dtype))
     assert torch.equal(kernels.silu_and_mul(x), got)
+
+
+@ELEMENTWISE_DTYPES
+def test_compiled_silu_and_mul_on_extremes_and_tails(dtype):
+    """The vectorised exp at its edges (overflow to inf, underflow to 0, NaN) and widths with a scalar tail."""
+    from pagedserve.kernels.torch_impl.activation import silu_and_mul_torch
+
+    torch.manual_seed(1)
+    x = (6 * torch.randn(4, 2 * (32 + 7))).to(dtype)
+    extremes = torch.tensor([100.0, -100.0, 88.0, -88.0, -87.0, 0.0, float("inf"), float("-inf"), float("nan")])
+    x[0, :9] = extremes.to(dtype)
+    x[1, 32:41] = extremes.to(dtype)  # in the tail after the 16-wide lanes
+    got, ref = torch.ops.pagedserve.silu_and_mul(x), silu_and_mul_torch(x)
+    torch.testing.assert_close(got, ref, equal_nan=True, **tolerance(dtype))
 
 
 def test_elementwise_entry_points_use_the_compiled_ops(monkeypatch):

@@ -1,0 +1,118 @@
+"""Microseconds per call of the compiled CPU decode ops on the default model's shapes (SmolLM2-135M).
+
+paged_decode_attention over a grid of batch sizes and context lengths (9 query heads, 3 KV heads, head
+size 64, block size 16, shuffled physical blocks), at 1 and 2 torch threads; then silu_and_mul,
+fused_add_rms_norm and rotary_embedding at the model's widths (576 hidden, 1536 intermediate).
+Each figure is the fastest of several timed loops (the least disturbed by other processes on a shared
+machine); the load average is printed with the results.
+
+    python benchmarks/cpu_decode_ops.py [--dtype bfloat16] [--batches 1,4,16,64] [--contexts 16,100,300,1000,4096]
+                                        [--threads 1,2] [--cpu-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.kernels.cpu import cpu_ops_available
+
+
+def per_call_us(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter,
+                min_seconds: float = 0.02, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed loops of about min_seconds each, in microseconds per call: on a
+    shared machine the minimum is the figure least disturbed by other processes."""
+    fn()
+    start, calls = clock(), 0
+    while clock() - start < min_seconds / 4:
+        fn()
+        calls += 1
+    loop = max(1, 4 * calls)
+    samples = []
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(loop):
+            fn()
+        samples.append((clock() - start) / loop * 1e6)
+    return min(samples)
+
+
+def attention_call(batch: int, context: int, dtype: torch.dtype, args: argparse.Namespace) -> Callable[[], object]:
+    gen = torch.Generator().manual_seed(batch * 10_000 + context)
+    blocks_per_seq = -(-context // args.block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_size)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    query = torch.randn(batch, args.num_heads, args.head_size, generator=gen).to(dtype)
+    scale = args.head_size ** -0.5
+    op = torch.ops.pagedserve.paged_decode_attention
+    return lambda: op(query, key_cache, value_cache, tables, lens, scale, 0)
+
+
+def elementwise_calls(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2 * 1536, generator=gen).to(dtype)
+    h, r = torch.randn(1, 576, generator=gen).to(dtype), torch.randn(1, 576, generator=gen).to(dtype)
+    w = torch.randn(576, generator=gen).to(dtype)
+    qkv = torch.randn(1, 15 * 64, generator=gen).to(dtype)
+    q, k = qkv[:, :9 * 64], qkv[:, 9 * 64:12 * 64]
+    positions = torch.tensor([100])
+    from pagedserve import kernels
+
+    cache = kernels.compute_rope_cos_sin_cache(64, 2048, 100000.0, None, torch.float32)
+    ops = torch.ops.pagedserve
+    return {
+        "silu_and_mul [1, 3072]": lambda: ops.silu_and_mul(x),
+        "fused_add_rms_norm [1, 576]": lambda: ops.fused_add_rms_norm(h, r, w, 1e-5),
+        "rotary_embedding 9+3 heads x 64": lambda: ops.rotary_embedding(positions, q, k, cache, 64, True),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--contexts", default="16,32,100,300,500,1000,4096")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--num-heads", type=int, default=9)
+    parser.add_argument("--num-kv-heads", type=int, default=3)
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with this process's CPU time instead of the wall clock: on a machine shared "
+                             "with other work it leaves out the time they hold the core (use with --threads 1)")
+    args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    assert cpu_ops_available(), "the compiled CPU ops did not load"
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    print(f"{args.dtype}, heads {args.num_heads}/{args.num_kv_heads}, head {args.head_size}, "
+          f"block {args.block_size}, {'CPU' if args.cpu_time else 'wall'} time; "
+          f"load average before: {os.getloadavg()[0]:.2f}")
+    saved = torch.get_num_threads()
+    with torch.inference_mode():
+        for n in threads:
+            torch.set_num_threads(n)
+            print(f"paged_decode_attention, us per call, {n} thread(s); rows: batch, columns: context")
+            print("batch " + "".join(f"{c:>9d}" for c in contexts))
+            for b in batches:
+                cells = [per_call_us(attention_call(b, c, dtype, args), clock) for c in contexts]
+                print(f"{b:5d} " + "".join(f"{t:9.1f}" for t in cells))
+        torch.set_num_threads(1)
+        for name, fn in elementwise_calls(dtype).items():
+            print(f"{name:34s} {per_call_us(fn, clock):7.2f} us (1 thread)")
+    torch.set_num_threads(saved)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
