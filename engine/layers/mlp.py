@@ -37,4 +37,4 @@ class GatedMLP(nn.Module):
                                            qtype=qtype_of(quant_config, f"{prefix}.down_proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(kernels.silu_and_mul_unchecked(self.gate_up_proj(x)))
