@@ -11,6 +11,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2*d] -> silu(x[..., :d]) * x[..., d:]."""
     if x.dim() == 0 or x.shape[-1] % 2 != 0:
         raise ValueError(f"x last dim must be even, got shape {tuple(x.shape)}")
+    return silu_and_mul_unchecked(x)
+
+
+def silu_and_mul_unchecked(x: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul` without the shape check (for the model layers)."""
     if x.is_cuda:
         from pagedserve.kernels.triton.activation import silu_and_mul_triton
 

@@ -39,6 +39,23 @@ def paged_decode_attention(
             f"seq_lens up to {max(seq_lens_cpu)} tokens need more than block_tables' {block_tables.shape[1]} "
             f"blocks of {key_cache.shape[1]}"
         )
+    return paged_decode_attention_unchecked(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, seq_lens_cpu
+    )
+
+
+def paged_decode_attention_unchecked(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    seq_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention` without the shape checks (for the attention layer, whose step metadata
+    `AttentionMetadata` checks once per step)."""
     if query.is_cuda:
         from pagedserve.kernels.triton.decode_attention import paged_decode_attention_triton
 
@@ -90,6 +107,27 @@ def paged_prefill_attention(
             f"query_start_loc spans {query_start_loc_cpu[-1] - query_start_loc_cpu[0]} tokens but query has "
             f"{query.shape[0]}"
         )
+    return paged_prefill_attention_unchecked(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+        sliding_window, query_start_loc_cpu, seq_lens_cpu, key, value,
+    )
+
+
+def paged_prefill_attention_unchecked(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    query_start_loc_cpu: list[int] | None = None,
+    seq_lens_cpu: list[int] | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_prefill_attention` without the shape checks (for the attention layer, like the decode one)."""
     if query.is_cuda:
         from pagedserve.kernels.triton.prefill_attention import paged_prefill_attention_triton
 

@@ -27,6 +27,17 @@ def reshape_and_cache(
         raise ValueError(f"key rows {tuple(key.shape[1:])} do not match key_cache rows {tuple(key_cache.shape[2:])}")
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping length {slot_mapping.shape[0]} != number of key tokens {key.shape[0]}")
+    reshape_and_cache_unchecked(key, value, key_cache, value_cache, slot_mapping)
+
+
+def reshape_and_cache_unchecked(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`reshape_and_cache` without the shape checks (for the model layers)."""
     if key_cache.is_cuda:
         from pagedserve.kernels.triton.cache import reshape_and_cache_triton
 

@@ -15,6 +15,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: fp32 statistics, result in x.dtype."""
     _check(x, weight)
+    return rms_norm_unchecked(x, weight, eps)
+
+
+def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` without the shape check (for the model layers)."""
     if x.is_cuda:
         from pagedserve.kernels.triton.norm import rms_norm_triton
 
@@ -29,6 +34,13 @@ def fused_add_rms_norm(
     _check(x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    return fused_add_rms_norm_unchecked(x, residual, weight, eps)
+
+
+def fused_add_rms_norm_unchecked(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm` without the shape checks (for the model layers)."""
     if x.is_cuda:
         from pagedserve.kernels.triton.norm import fused_add_rms_norm_triton
 

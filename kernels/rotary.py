@@ -79,6 +79,18 @@ def rotary_embedding(
         raise ValueError(f"cos_sin_cache rotary_dim {cos_sin_cache.shape[1]} exceeds head_size {head_size}")
     if positions.shape[0] != query.shape[0] or key.shape[0] != query.shape[0]:
         raise ValueError(f"positions/key token counts {positions.shape[0]}/{key.shape[0]} != query {query.shape[0]}")
+    return rotary_embedding_unchecked(positions, query, key, cos_sin_cache, head_size, is_neox)
+
+
+def rotary_embedding_unchecked(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding` without the shape checks (for the model layers)."""
     if query.is_cuda:
         from pagedserve.kernels.triton.rotary import rotary_embedding_triton
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pagedserve.engine.layers.attention_metadata import AttentionMetadata
 from pagedserve.engine.spec_decode.flat_batch import build_flat_inputs
 from pagedserve.engine.worker.input_batch import InputBatch
 
@@ -197,3 +198,32 @@ def test_prepare_matches_from_scratch_build_on_cuda(data):
         else:
             step(model, data)
     step(model, data)
+
+
+def _metadata_fields(num_seqs: int = 2) -> dict:
+    seq_lens = [3] * num_seqs
+    return dict(
+        slot_mapping=torch.arange(num_seqs, dtype=torch.int64),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.zeros((num_seqs, 1), dtype=torch.int32),
+        num_decodes=num_seqs, num_decode_tokens=num_seqs, max_query_len=1, max_seq_len=3,
+        query_start_loc_cpu=list(range(num_seqs + 1)), seq_lens_cpu=seq_lens,
+    )
+
+
+@pytest.mark.parametrize("field_name, value, match", [
+    ("block_tables", torch.zeros((3, 1), dtype=torch.int32), "block_tables"),
+    ("block_tables", torch.zeros(2, dtype=torch.int32), "block_tables"),
+    ("seq_lens", torch.tensor([3, 3], dtype=torch.int64), "int32"),
+    ("block_tables", torch.zeros((2, 1), dtype=torch.int64), "int32"),
+    ("query_start_loc", torch.arange(2, dtype=torch.int32), "query_start_loc"),
+    ("slot_mapping", torch.zeros((2, 1), dtype=torch.int64), "slot_mapping"),
+    ("query_start_loc_cpu", [0, 1], "query_start_loc_cpu"),
+    ("num_decodes", 3, "num_decodes"),
+])
+def test_attention_metadata_refuses_inconsistent_fields(field_name, value, match):
+    """The attention layers call the unchecked kernels: the metadata checks itself once, when built."""
+    AttentionMetadata(**_metadata_fields())  # consistent: accepted
+    with pytest.raises(ValueError, match=match):
+        AttentionMetadata(**{**_metadata_fields(), field_name: value})

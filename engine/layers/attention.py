@@ -69,7 +69,7 @@ class Attention(nn.Module):
         query = q.view(num_tokens, self.num_heads, self.head_size)
         key = k.view(num_tokens, self.num_kv_heads, self.head_size)
         value = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        kernels.reshape_and_cache(
+        kernels.reshape_and_cache_unchecked(
             key,
             value,
             key_cache,
@@ -78,14 +78,14 @@ class Attention(nn.Module):
         )
         nd_seqs, nd = md.num_decodes, md.num_decode_tokens
         if nd == num_tokens and md.query_start_loc_cpu[-1] == num_tokens:  # decode only: no output buffer to fill
-            out = kernels.paged_decode_attention(
+            out = kernels.paged_decode_attention_unchecked(
                 query, key_cache, value_cache, md.block_tables, md.seq_lens, self.scale,
                 sliding_window=self.sliding_window, seq_lens_cpu=md.seq_lens_cpu,
             )
             return out.view(num_tokens, self.num_heads * self.head_size)
         out = torch.empty_like(query)
         if nd > 0:
-            out[:nd] = kernels.paged_decode_attention(
+            out[:nd] = kernels.paged_decode_attention_unchecked(
                 query[:nd],
                 key_cache,
                 value_cache,
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         if end < num_tokens:  # padding rows (no sequence): defined output, never read
             out[end:] = 0
         if end > nd:
-            out[nd:end] = kernels.paged_prefill_attention(
+            out[nd:end] = kernels.paged_prefill_attention_unchecked(
                 query[nd:end],
                 key_cache,
                 value_cache,

@@ -19,5 +19,5 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return kernels.rms_norm_unchecked(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm_unchecked(x, residual, self.weight, self.eps)

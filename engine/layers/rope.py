@@ -51,4 +51,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate flat ``query`` [T, heads*head_size] and ``key`` [T, kv_heads*head_size]."""
-        return kernels.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size, self.is_neox)
+        return kernels.rotary_embedding_unchecked(positions, query, key, self.cos_sin_cache, self.head_size, self.is_neox)

@@ -49,6 +49,11 @@ def _key_mask(
 DECODE_GATHER_BUDGET_BYTES = 2 << 20
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    # The engine's metadata is int32 already (the common case, checked first: even a no-op .to() dispatches).
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
 def paged_decode_attention_torch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -68,8 +73,7 @@ def paged_decode_attention_torch(
         and cpu_ops_available()
     ):
         return torch.ops.pagedserve.paged_decode_attention(
-            query, key_cache, value_cache, block_tables.to(torch.int32), seq_lens.to(torch.int32),
-            float(scale), sliding_window or 0,
+            query, key_cache, value_cache, _int32(block_tables), _int32(seq_lens), float(scale), sliding_window or 0,
         )
     return paged_decode_attention_gather(
         query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, seq_lens_cpu
