@@ -62,6 +62,10 @@ def render_report(report: dict[str, Any]) -> list[str]:
         rows = [[r["name"], _lat(r, "e2e", "mean"), _lat(r, "e2e", "p99"), _lat(r, "prefill", "mean"),
                  _lat(r, "decode_per_token", "mean"), _roofline_cells(r)] for r in runs]
         lines += _md_table(["batch", "e2e mean ms", "e2e p99 ms", "prefill ms", "decode ms/token", "roofline"], rows)
+        versus = report["summary"].get("llama_cpp_over_pagedserve_median_time")
+        if versus:
+            lines += ["", "llama.cpp time / pagedserve time (medians; above 1: pagedserve faster): "
+                          + ", ".join(f"{stage} **{ratio:.2f}x**" for stage, ratio in versus.items()) + "."]
     elif cmd == "throughput":
         rows = [[r["name"], r["num_requests"], r["prompt_tokens"], r["output_tokens"],
                  r["throughput"]["requests_per_s"], r["throughput"]["output_tokens_per_s"],
@@ -71,6 +75,12 @@ def render_report(report: dict[str, Any]) -> list[str]:
         ratio = report["summary"].get("ratio_output_tokens_per_s")
         if ratio is not None:
             lines += ["", f"pagedserve / HF `generate` output tokens/s: **{ratio:.2f}x**."]
+        versus = report["summary"].get("ratio_vs_llama_cpp_output_tokens_per_s")
+        if versus is not None:
+            swept = ", ".join(f"batch {size}: {rate:.1f}"
+                              for size, rate in report["summary"].get("llama_cpp_out_tok_s_by_batch_size", {}).items())
+            lines += ["", f"pagedserve / llama.cpp (its fastest batch size; {swept} out tok/s) output tokens/s: "
+                          f"**{versus:.2f}x**."]
     else:  # serve, tune
         rows = [[r["name"], f"{r['completed']}/{r['num_requests']}", r["throughput"]["requests_per_s"],
                  r["throughput"]["output_tokens_per_s"], _lat(r, "ttft", "p50"), _lat(r, "ttft", "p99"),

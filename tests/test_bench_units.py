@@ -297,3 +297,18 @@ def test_readme_performance_section_matches_the_committed_reports():
     text = (root / "README.md").read_text()
     section = readme.render([rep.load_report(p) for p in reports])
     assert readme.rewrite_section(text, section) == text, "README out of date: run `make bench-readme`"
+
+
+def test_readme_section_states_the_llama_cpp_ratios_of_the_reports_that_ran_it():
+    from pathlib import Path
+
+    reports = Path(__file__).resolve().parent.parent / "benchmarks" / "reports"
+    latency = rep.load_report(reports / "latency-default-model.json")
+    throughput = rep.load_report(reports / "throughput-default-model.json")
+    section = readme.render([latency, throughput])
+    decode = latency["summary"]["llama_cpp_over_pagedserve_median_time"]["decode_per_token"]
+    assert f"decode_per_token **{decode:.2f}x**" in section
+    versus = throughput["summary"]["ratio_vs_llama_cpp_output_tokens_per_s"]
+    assert "pagedserve / llama.cpp (its fastest batch size; batch 8:" in section and f"**{versus:.2f}x**" in section
+    del latency["summary"]["llama_cpp_over_pagedserve_median_time"], throughput["summary"]["ratio_vs_llama_cpp_output_tokens_per_s"]
+    assert "llama.cpp time" not in readme.render([latency]) and "pagedserve / llama.cpp" not in readme.render([throughput])
