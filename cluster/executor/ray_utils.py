@@ -52,6 +52,15 @@ def engine_threads(cpu_threads: int | None, reserved_cpus: float, node_cpus: int
     return max(1, node_cpus // max(1, engines_per_node))
 
 
+def default_thread_share(engine_kwargs: dict, max_engines: int) -> int | None:
+    """`EngineHost(engines_per_node=...)` for an engine whose CPU reservation was left at its default: the
+    most engines of its app that may share a node (`max_engines`, counted as if on one node: on several
+    nodes each engine gets fewer threads than it could, never more than the node has). None for TP/PP > 1,
+    whose ranks compute in their own actors with their own threads (`num_cpus_per_worker`)."""
+    world = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
+    return max(1, int(max_engines)) if world == 1 else None
+
+
 def node_cpus() -> int:
     """The CPUs an engine on this node may use: those this process may run on (its affinity: a cgroup or
     taskset limit), at most what Ray says the node has (an operator's `ray start --num-cpus N`)."""

@@ -23,7 +23,8 @@ from typing import Any
 
 from ray import serve
 
-from pagedserve.cluster.serve.engine_host import EngineHost, default_thread_share
+from pagedserve.cluster.executor.ray_utils import default_thread_share
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.cluster.serve.ingress import PagedServeIngress, connect_engines
 from pagedserve.cluster.serve.pd_pools import deployment_kv_secret
 from pagedserve.cluster.serving.app import build_fastapi_app
@@ -118,7 +119,7 @@ def most_replicas(options: dict[str, Any]) -> int:
 def engine_thread_share(args: ServeArgs, engine_kwargs: dict[str, Any], max_engines: int) -> int | None:
     """`EngineHost(engines_per_node=...)`: None when the operator set `num_cpus_per_engine` (the replica then
     runs that many threads), else the app's most engines (`max_engines`) sharing a node's CPUs
-    (`engine_host.default_thread_share`)."""
+    (`ray_utils.default_thread_share`)."""
     if "num_cpus_per_engine" in args.model_fields_set:
         return None
     return default_thread_share(engine_kwargs, max_engines)

@@ -28,8 +28,8 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from pagedserve.cluster.executor.placement import pinned_engine_kwargs, plan_engine_placement, warn_if_gpus_short
-from pagedserve.cluster.executor.ray_utils import ensure_ray
-from pagedserve.cluster.serve.engine_host import EngineHost, default_thread_share
+from pagedserve.cluster.executor.ray_utils import default_thread_share, ensure_ray
+from pagedserve.cluster.serve.engine_host import EngineHost
 from pagedserve.engine.config import EngineConfig
 
 

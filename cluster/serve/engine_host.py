@@ -20,9 +20,8 @@ it holds within the deployment's graceful-shutdown window before `__del__` stops
 (`cluster/executor/ray_executor.py`), so Serve places, checks and replaces the whole group together.
 If the engine loop dies, a watchdog thread exits the process so that Ray (or Serve) replaces it.
 
-Threads (`ray_utils.engine_threads`): the engine's `cpu_threads` when set; else the CPUs the replica
-reserved when the operator chose them (`num_cpus_per_engine`); else, with the reservation left at its
-1-CPU default, this node's CPUs divided by the engines of the app that may share it (`engines_per_node`).
+Threads (`ray_utils.engine_threads`): `cpu_threads`, else the CPUs reserved by choice, else (a default
+1-CPU reservation) the node's CPUs shared by the app's engines (`engines_per_node`).
 
 Stats: `get_stats` (a typed `cluster.engine_stats.EngineStats`: the engine's figures, its incarnation -
 new on every (re)start -, health, stream outputs, KV transfer, speculative decoding, LoRA),
@@ -144,15 +143,6 @@ def in_replica_engine_kwargs(engine_kwargs: dict, where: tuple[str, str, str]) -
     return {**engine_kwargs, "kv_transfer_config": kv}
 
 
-def default_thread_share(engine_kwargs: dict, max_engines: int) -> int | None:
-    """`EngineHost(engines_per_node=...)` for an engine whose CPU reservation was left at its default: the
-    most engines of its app that may share a node (`max_engines`, counted as if on one node: on several
-    nodes each engine gets fewer threads than it could, never more than the node has). None for TP/PP > 1,
-    whose ranks compute in their own actors with their own threads (`num_cpus_per_worker`)."""
-    world = int(engine_kwargs.get("tensor_parallel_size", 1)) * int(engine_kwargs.get("pipeline_parallel_size", 1))
-    return max(1, int(max_engines)) if world == 1 else None
-
-
 def _prompt_ids(prompt: Any) -> list[int] | None:
     if isinstance(prompt, (list, tuple)):
         return list(prompt)
@@ -185,8 +175,6 @@ class EngineHost:
         self.node_id = _node_id()
         if where is not None:  # a Serve replica takes its CPU share of the node's KV budget, its PD address
             engine_kwargs = in_replica_engine_kwargs(with_engine_kv_share(engine_kwargs, assigned_cpus()), where)
-        # torch threads: `cpu_threads`, else the CPUs the operator reserved, else (`engines_per_node` given:
-        # the reservation was left at its default) this node's CPUs shared by the engines that may run on it.
         use_engine_threads(engine_kwargs.get("cpu_threads"), engines_per_node)
         self.engine_index = engine_index
         # Identifies this incarnation: a restarted engine's counters start again from zero.
