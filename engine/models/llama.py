@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.layers.attention_metadata import AttentionMetadata
+from pagedserve.engine.models.fused_decode import FusedDecodeStack
 from pagedserve.engine.layers import Attention, GatedMLP, KVLayerHooks, RMSNorm, RotaryEmbedding, rope_params_from_config
 from pagedserve.parallel.layers import (
     ParallelLMHead,
@@ -258,6 +259,11 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         self.dtype = dtype
         self.model = DecoderModel(spec, parallel, dtype, quant_config)
+        # Decode-only steps through one compiled CPU op where the model allows it (engine/models/fused_decode.py);
+        # the stack is packed at the first decode step, after the weights (and any LoRA wrappers) are in place.
+        self.fused_decode = True
+        self._fused_stack: FusedDecodeStack | None = None
+        self._fused_stack_built = False
         self.lm_head: ParallelLMHead | None = None
         if parallel.is_last_pp_stage:
             head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
@@ -305,13 +311,23 @@ class LlamaForCausalLM(nn.Module):
             if intermediate is None:
                 raise ValueError("intermediate is required on pipeline stages after the first")
             hidden, residual = intermediate.hidden_states, intermediate.residual
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer.forward(positions, hidden, residual, kv_cache, attn_metadata, kv_hooks)
+        stack = self._decode_stack() if self.fused_decode else None
+        if stack is not None and stack.can_run(hidden, kv_caches, attn_metadata, kv_hooks):
+            hidden, residual = stack.run(positions, hidden, residual, kv_caches, attn_metadata)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                hidden, residual = layer.forward(positions, hidden, residual, kv_cache, attn_metadata, kv_hooks)
         assert residual is not None  # every stage has at least one layer
         if self.model.norm is None:
             return IntermediateTensors(hidden_states=hidden, residual=residual)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def _decode_stack(self) -> FusedDecodeStack | None:
+        if not self._fused_stack_built:
+            self._fused_stack = FusedDecodeStack.for_model(self)
+            self._fused_stack_built = True
+        return self._fused_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] float32 logits over the full vocabulary."""

@@ -99,6 +99,8 @@ class ModelRunner:
             self.config.model, self.hf_config, self.dtype, self.parallel, device=self.device,
             max_position=self.config.max_model_len, quantization=self.config.quantization,
         )
+        # enforce_eager: every step layer by layer, on CPU too (no fused decode op: engine/models/fused_decode.py)
+        self.model.fused_decode = not self.config.enforce_eager
         if self.config.enable_lora:
             from pagedserve.engine.lora.manager import LoRAManager
 

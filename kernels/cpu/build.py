@@ -36,9 +36,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("registration.cpp", "paged_attention.cpp", "cache.cpp",
-                                                      "gguf_linear.cpp", "elementwise.cpp")]
+                                                      "gguf_linear.cpp", "elementwise.cpp", "decode_layers.cpp")]
 # Included by the sources: not compiled on their own, but part of what a build directory is keyed by.
-HEADERS = [Path(__file__).with_name("vec_math.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "ops.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
 ENV_SWITCH = "PAGEDSERVE_CPU_OPS"

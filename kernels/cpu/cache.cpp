@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
+
 namespace {
 
 template <typename Slot>
@@ -76,5 +78,14 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 }
 
 }  // namespace
+
+// The C++ entry points (ops.h): the functions registered below.
+namespace pagedserve_cpu {
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                       const at::Tensor& slot_mapping) {
+  ::reshape_and_cache(key, value, std::move(key_cache), std::move(value_cache), slot_mapping);
+}
+}  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("reshape_and_cache", &reshape_and_cache); }

@@ -29,6 +29,8 @@
 
 #include "vec_math.h"
 
+#include "ops.h"
+
 namespace {
 
 using pagedserve_cpu::exp16;
@@ -253,6 +255,25 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 #undef PAGEDSERVE_FLOAT_TYPES
 
 }  // namespace
+
+// The C++ entry points (ops.h): the functions registered below.
+namespace pagedserve_cpu {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  return ::fused_add_rms_norm(x, residual, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                                                    const at::Tensor& key, const at::Tensor& cos_sin_cache,
+                                                    int64_t head_size, bool is_neox) {
+  return ::rotary_embedding(positions, query, key, cos_sin_cache, head_size, is_neox);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) { return ::silu_and_mul(x); }
+}  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);

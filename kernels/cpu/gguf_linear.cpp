@@ -27,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 
 using vec16 = float __attribute__((vector_size(64)));
@@ -609,5 +611,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
 }
 
 }  // namespace
+
+// The C++ entry points (ops.h): the functions registered below.
+namespace pagedserve_cpu {
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features) {
+  return ::gguf_linear(x, weight, qtype, in_features);
+}
+}  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("gguf_linear", &gguf_linear); }

@@ -29,6 +29,8 @@
 #include <immintrin.h>
 #endif
 
+#include "ops.h"
+
 namespace {
 
 using pagedserve_cpu::exp16;
@@ -676,5 +678,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 }
 
 }  // namespace
+
+// The C++ entry points (ops.h): the functions registered below.
+namespace pagedserve_cpu {
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t sliding_window) {
+  return ::paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window);
+}
+}  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
