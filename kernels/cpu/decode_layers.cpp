@@ -14,6 +14,7 @@
 // one entry per projection in the order of `Proj` (qtype -1: a float weight).
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
@@ -32,6 +33,9 @@ enum Param : int64_t {
 enum Proj : int64_t { kProjQKV, kProjO, kProjGateUp, kProjDown, kProjsPerLayer };
 
 using OptionalTensors = c10::List<c10::optional<at::Tensor>>;
+
+// A stage of a layer as a torch.profiler scope (a flag check when no profiler runs).
+#define STAGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 struct Layer {
   const OptionalTensors& params;
@@ -93,36 +97,68 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     for (const Param p : {kInputNorm, kQKV, kO, kPostNorm, kGateUp, kDown})
       TORCH_CHECK(layer.has(p), "decode_layers: layer ", i, " is missing parameter ", static_cast<int64_t>(p));
     // DecoderLayer.forward: input norm (with the residual add after the first layer of the model).
-    if (have_residual) {
-      std::tie(hidden, residual) = pagedserve_cpu::fused_add_rms_norm(hidden, residual, layer.get(kInputNorm), eps);
-    } else {
-      residual = hidden;
-      hidden = pagedserve_cpu::rms_norm(hidden, layer.get(kInputNorm), eps);
-      have_residual = true;
+    {
+      STAGE("decode_layers/input_norm");
+      if (have_residual) {
+        std::tie(hidden, residual) = pagedserve_cpu::fused_add_rms_norm(hidden, residual, layer.get(kInputNorm), eps);
+      } else {
+        residual = hidden;
+        hidden = pagedserve_cpu::rms_norm(hidden, layer.get(kInputNorm), eps);
+        have_residual = true;
+      }
     }
     // DecoderAttention.forward.
-    const at::Tensor qkv = layer.column(hidden, kQKV, kQKVBias, kProjQKV);
+    at::Tensor qkv;
+    {
+      STAGE("decode_layers/qkv_proj");
+      qkv = layer.column(hidden, kQKV, kQKVBias, kProjQKV);
+    }
     TORCH_CHECK(qkv.size(-1) == q_size + 2 * kv_size, "decode_layers: layer ", i, " qkv width ", qkv.size(-1),
                 " does not fit the head counts");
     at::Tensor q = qkv.narrow(-1, 0, q_size), k = qkv.narrow(-1, q_size, kv_size);
     const at::Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size);
-    if (layer.has(kQNorm) && layer.has(kKNorm)) {  // Qwen3: per-head RMSNorm before rope
-      q = pagedserve_cpu::rms_norm(q.reshape({-1, head_size}), layer.get(kQNorm), eps).view(q.sizes());
-      k = pagedserve_cpu::rms_norm(k.reshape({-1, head_size}), layer.get(kKNorm), eps).view(k.sizes());
+    {
+      STAGE("decode_layers/rotary");
+      if (layer.has(kQNorm) && layer.has(kKNorm)) {  // Qwen3: per-head RMSNorm before rope
+        q = pagedserve_cpu::rms_norm(q.reshape({-1, head_size}), layer.get(kQNorm), eps).view(q.sizes());
+        k = pagedserve_cpu::rms_norm(k.reshape({-1, head_size}), layer.get(kKNorm), eps).view(k.sizes());
+      }
+      std::tie(q, k) = pagedserve_cpu::rotary_embedding(positions, q, k, cos_sin_cache, head_size, is_neox);
     }
-    std::tie(q, k) = pagedserve_cpu::rotary_embedding(positions, q, k, cos_sin_cache, head_size, is_neox);
     // Attention.forward on a decode-only batch: write this token's K/V, then attend over the cache.
-    pagedserve_cpu::reshape_and_cache(k.view({tokens, num_kv_heads, head_size}),
-                                      v.view({tokens, num_kv_heads, head_size}), key_caches[i], value_caches[i],
-                                      slot_mapping);
-    const at::Tensor attn = pagedserve_cpu::paged_decode_attention(
-        q.view({tokens, num_heads, head_size}), key_caches[i], value_caches[i], block_tables, seq_lens, scale,
-        sliding_windows[i]);
-    hidden = layer.row(attn.view({tokens, q_size}), kO, kOBias, kProjO);
+    at::Tensor attn;
+    {
+      STAGE("decode_layers/attention");
+      pagedserve_cpu::reshape_and_cache(k.view({tokens, num_kv_heads, head_size}),
+                                        v.view({tokens, num_kv_heads, head_size}), key_caches[i], value_caches[i],
+                                        slot_mapping);
+      attn = pagedserve_cpu::paged_decode_attention(q.view({tokens, num_heads, head_size}), key_caches[i],
+                                                    value_caches[i], block_tables, seq_lens, scale,
+                                                    sliding_windows[i]);
+    }
+    {
+      STAGE("decode_layers/o_proj");
+      hidden = layer.row(attn.view({tokens, q_size}), kO, kOBias, kProjO);
+    }
     // Post-attention norm, then GatedMLP.forward.
-    std::tie(hidden, residual) = pagedserve_cpu::fused_add_rms_norm(hidden, residual, layer.get(kPostNorm), eps);
-    const at::Tensor activated = pagedserve_cpu::silu_and_mul(layer.column(hidden, kGateUp, kGateUpBias, kProjGateUp));
-    hidden = layer.row(activated, kDown, kDownBias, kProjDown);
+    {
+      STAGE("decode_layers/post_norm");
+      std::tie(hidden, residual) = pagedserve_cpu::fused_add_rms_norm(hidden, residual, layer.get(kPostNorm), eps);
+    }
+    at::Tensor gate_up;
+    {
+      STAGE("decode_layers/gate_up_proj");
+      gate_up = layer.column(hidden, kGateUp, kGateUpBias, kProjGateUp);
+    }
+    at::Tensor activated;
+    {
+      STAGE("decode_layers/silu_and_mul");
+      activated = pagedserve_cpu::silu_and_mul(gate_up);
+    }
+    {
+      STAGE("decode_layers/down_proj");
+      hidden = layer.row(activated, kDown, kDownBias, kProjDown);
+    }
   }
   return {hidden, residual};
 }
