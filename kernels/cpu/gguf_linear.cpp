@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -487,6 +488,45 @@ void narrow_to(const float* src, int64_t n, T* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// One row of W (nb 32-element sub-blocks) dequantized into dst of type T.
+template <int64_t QT, typename T>
+inline void dequant_row_to(const uint8_t* row, int64_t nb, T* dst) {
+#if PAGEDSERVE_FACTORED && defined(__AVX512BF16__)
+  // The 32-element types into bf16 (the prefill tiles of a bf16 model): the block's integers from
+  // Ints<QT>, its scales by one half-to-float conversion, and the 32 results rounded to bf16 by one
+  // instruction (round to nearest even, as store_bf16; a dequantized weight is never a float32 subnormal,
+  // which it would flush). Measured 1.2-1.3x faster for the whole tile GEMM at 64 rows.
+  if constexpr (kFactored<QT> && std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * Block<QT>::kBytes;
+      int32_t scales;  // d (and m) as float16
+      std::memcpy(&scales, blk, 4);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));
+      const __m512 d = _mm512_broadcastss_ps(dm);
+      __m512 lo, hi;
+      Ints<QT>::get(blk, lo, hi);
+      if constexpr (Ints<QT>::kMin) {
+        const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+        lo = _mm512_fmadd_ps(lo, d, m);
+        hi = _mm512_fmadd_ps(hi, d, m);
+      } else {
+        lo = _mm512_mul_ps(lo, d);
+        hi = _mm512_mul_ps(hi, d);
+      }
+      const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
+      std::memcpy(dst + b * kBlock, &packed, sizeof(packed));
+    }
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    vec16 lo, hi;
+    sub_block<QT>(row, b, lo, hi);
+    store_out(dst + b * kBlock, lo);
+    store_out(dst + b * kBlock + 16, hi);
+  }
+}
+
 // Rows [n0, n1) of W dequantized into dst [n1 - n0, K] of type T.
 template <int64_t QT, typename T>
 void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, T* dst) {
@@ -495,12 +535,7 @@ void dequant_tile(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, in
     for (int64_t n = r0; n < r1; ++n) {
       const uint8_t* row = w + n * row_bytes;
       T* out = dst + (n - n0) * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        vec16 lo, hi;
-        sub_block<QT>(row, b, lo, hi);
-        store_out(out + b * kBlock, lo);
-        store_out(out + b * kBlock + 16, hi);
-      }
+      dequant_row_to<QT>(row, nb, out);
     }
   });
 }

@@ -101,8 +101,9 @@ def test_compiled_op_matches_dequantize_then_matmul(qtype, m, dtype):
 @pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
 @pytest.mark.parametrize("m", [1, 64])
 def test_compiled_op_on_a_model_sized_matrix_in_several_tiles(m):
-    # 576 columns and 1100 rows: several 16-row work chunks per thread and several prefill tiles.
-    raw, deq = quantized("Q4_1", 1100, 576, seed=3)
+    # 576 columns and 4000 rows: several 16-row work chunks per thread and several 2 MiB prefill tiles
+    # (4.6 MB of bf16, 9.2 MB of float32), the last one shorter.
+    raw, deq = quantized("Q4_1", 4000, 576, seed=3)
     x = torch.randn(m, 576)
     close(torch.ops.pagedserve.gguf_linear(x, raw, 3, 576), reference(x, deq), torch.float32)
     xb = x.to(torch.bfloat16)
