@@ -219,3 +219,27 @@ def test_async_llm_stop_strings_end_the_coalesced_text_where_interval_one_ends_i
 def test_async_llm_refuses_a_bad_interval(tiny_llama):
     with pytest.raises(ValueError, match="stream_interval"):
         AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory="8MiB"), stream_interval=0)
+
+
+def test_a_stream_that_ends_with_an_error_gets_what_was_held_first(tiny_llama):
+    """The engine stops (a replica drained) mid-stream: the tokens held for the interval arrive before the
+    `EngineStoppedError`, so that a migration continues from everything the engine generated."""
+    from pagedserve.engine.async_llm import EngineStoppedError
+
+    engine = AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory="8MiB"),
+                      stream_interval=1000)
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def run() -> list[int]:
+        received: list[int] = []
+        with pytest.raises(EngineStoppedError):
+            async for output in engine.generate("def fibonacci(n):", params, request_id="drained"):
+                received += output.outputs[0].token_ids
+                if len(received) == 1:  # the first token came at once; the rest is held (interval 1000)
+                    await asyncio.sleep(0.2)  # the engine steps on meanwhile
+                    await asyncio.to_thread(engine.shutdown)
+        return received
+
+    received = asyncio.run(run())
+    generated = engine.engine.output_processor.states["drained"].token_ids
+    assert len(generated) > 1 and received == generated
