@@ -10,9 +10,9 @@ the finish, the text decoded once at the end). The prompt is token ids (what
 the Serve request routers read as the call's second argument) or an engine prompt dict. The prompt goes
 once, in a stream's first output (`stream_transport`); a Ray streaming call pauses when
 `STREAM_BACKPRESSURE_OBJECTS` outputs wait unread. A streamed request sends at most one delta per
-`stream_interval` generated tokens (`engine.delta_coalescer`: its first tokens and its finish at once). `abort_requests` ends the named streams with one
-final "abort" output (the engine itself emits nothing for an aborted request); cancelling a Serve
-stream aborts its request too.
+`stream_interval` generated tokens (`engine.delta_coalescer`: its first tokens and its finish at
+once). `abort_requests` ends the named streams with one final "abort" output (the engine itself emits
+nothing for an aborted request); cancelling a Serve stream aborts its request too.
 
 Serve's lifecycle: `check_health` is the health check (the engine loop died, or it stalls with work
 waiting); a replica being removed (scale-down, rolling update) stops getting requests and finishes what
