@@ -94,6 +94,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", choices=["auto", "gguf", "none", "int8", "int4"], default=None,
                    help="the engines' weight quantization, as `bench throughput --quantization`")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="engine replicas (default 1)")
+    g.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="the server's stream interval: one SSE event per N generated tokens (default 1); the "
+                        "ITL figures are then the gaps between events")
     g.add_argument("--pd", action="store_true", help="start the prefill/decode app (two Serve deployments)")
     g.add_argument("--num-prefill-engines", type=int, default=1, help="prefill replicas with --pd (default 1)")
     g.add_argument("--num-decode-engines", type=int, default=1, help="decode replicas with --pd (default 1)")
@@ -199,7 +202,8 @@ class LocalServer:
 def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "dtype": ns.dtype}
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_cpus_per_engine", "cpu_threads",
-                 "quantization", "api_key", "data_parallel_size", "routing_policy", "kv_offload_size"):
+                 "quantization", "api_key", "data_parallel_size", "routing_policy", "kv_offload_size",
+                 "stream_interval"):
         if getattr(ns, name, None) is not None:
             settings[name] = getattr(ns, name)
     if getattr(ns, "pd", False):

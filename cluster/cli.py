@@ -112,6 +112,9 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
                               help="LoRA adapters served from the start (with --enable-lora); a client picks one "
                                    "by its NAME in `model`")
     serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
+    serve_parser.add_argument("--stream-interval", type=int, metavar="N",
+                              help="a streamed request's deltas leave the engine at most once per N generated "
+                                   "tokens, as one SSE event (its first token and its finish at once; default 1)")
     serve_parser.add_argument("--num-cpus-per-engine", type=float,
                               help="CPUs each engine replica reserves in Ray, and then its torch threads (default: "
                                    "1 reserved, and this node's CPUs shared by the app's engines as threads)")

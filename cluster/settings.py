@@ -57,6 +57,9 @@ class ServeArgs(EngineConfig):
     # What the replicas get instead of the key itself (Serve shows deployment args in its status).
     api_key_sha256: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-f]{64}$")
     max_pending_requests: int = Field(default=1024, ge=1)
+    # A streamed request's deltas leave its engine at most once per this many generated tokens (the first
+    # tokens and the finish at once): one Ray stream item and one SSE event per merge (vLLM's --stream-interval).
+    stream_interval: int = Field(default=1, ge=1, le=1024)
     num_cpus_per_engine: float = Field(default=1.0, ge=0.0)
     app_name: str = "pagedserve"
     max_n: int = Field(default=16, ge=1, le=1024)

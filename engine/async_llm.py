@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.delta_coalescer import DeltaCoalescer
 from pagedserve.engine.core.kv_events import KVEventBatch, KVSnapshot
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.request import LoRARequest
@@ -49,6 +50,7 @@ class EngineStoppedError(EngineDeadError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    coalescer: DeltaCoalescer | None = None  # a DELTA stream with stream_interval > 1 (engine thread only)
 
 
 @dataclass
@@ -66,7 +68,13 @@ class AsyncLLM:
         config: EngineConfig,
         max_pending_requests: int = 1024,
         stall_timeout_s: float = 120.0,
+        stream_interval: int = 1,
     ) -> None:
+        """`stream_interval`: a DELTA stream sends at most one output per this many generated tokens of a
+        completion (`delta_coalescer`: the first tokens, a finish and an error go at once)."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval: must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self.engine = LLMEngine(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
@@ -88,7 +96,7 @@ class AsyncLLM:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "AsyncLLM":
-        async_keys = {"max_pending_requests", "stall_timeout_s"}
+        async_keys = {"max_pending_requests", "stall_timeout_s", "stream_interval"}
         async_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in async_keys}
         return cls(EngineConfig(model=model, **kwargs), **async_kwargs)
 
@@ -127,7 +135,8 @@ class AsyncLLM:
             except BaseException:
                 self._num_active -= 1
                 raise
-        stream = _Stream(loop, asyncio.Queue())
+        coalesce = output_kind == OutputKind.DELTA and self.stream_interval > 1
+        stream = _Stream(loop, asyncio.Queue(), DeltaCoalescer(self.stream_interval) if coalesce else None)
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, sampling_params, priority, output_kind, stream, bad_words_ids,
                                     lora_request, checkpoint_interval_s), added))
@@ -277,6 +286,19 @@ class AsyncLLM:
             return
         if isinstance(item, BaseException) or item.finished:
             del self._streams[request_id]
+        if stream.coalescer is not None:
+            if isinstance(item, BaseException):  # what was held goes out before the error
+                held = stream.coalescer.flush()
+                if held is not None:
+                    self._put(stream, held)
+            else:
+                item = stream.coalescer.push(item)  # type: ignore[assignment]
+                if item is None:
+                    return  # held: sent with a later output
+        self._put(stream, item)
+
+    @staticmethod
+    def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is gone

@@ -172,7 +172,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     # which every replica then reads): the offload tier's reads between replicas are signed with it.
     engine = serve.deployment(EngineHost).options(**options).bind(
         engine_kwargs, max_pending_requests=validated.max_pending_requests, kv_secret=deployment_kv_secret(),
-        engines_per_node=engine_thread_share(validated, engine_kwargs, most_replicas(options)))
+        engines_per_node=engine_thread_share(validated, engine_kwargs, most_replicas(options)),
+        stream_interval=validated.stream_interval)
     ingress_args = validated.to_dict()
     return PagedServeIngress.options(name=f"{validated.app_name}-ingress",
                                      num_replicas=validated.num_ingress_replicas).bind(ingress_args, connect_engines, engine)

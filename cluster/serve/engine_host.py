@@ -9,9 +9,10 @@ engine's DELTA `RequestOutput`s (with `final_only`, CHECKPOINT deltas: one per c
 the finish, the text decoded once at the end). The prompt is token ids (what
 the Serve request routers read as the call's second argument) or an engine prompt dict. The prompt goes
 once, in a stream's first output (`stream_transport`); a Ray streaming call pauses when
-`STREAM_BACKPRESSURE_OBJECTS` outputs wait unread. `abort_requests` ends the named streams with one
-final "abort" output (the engine itself emits nothing for an aborted request); cancelling a Serve
-stream aborts its request too.
+`STREAM_BACKPRESSURE_OBJECTS` outputs wait unread. A streamed request sends at most one delta per
+`stream_interval` generated tokens (`engine.delta_coalescer`: its first tokens and its finish at
+once). `abort_requests` ends the named streams with one final "abort" output (the engine itself emits
+nothing for an aborted request); cancelling a Serve stream aborts its request too.
 
 Serve's lifecycle: `check_health` is the health check (the engine loop died, or it stalls with work
 waiting); a replica being removed (scale-down, rolling update) stops getting requests and finishes what
@@ -66,13 +67,13 @@ from pagedserve.cluster.executor.ray_utils import assigned_cpus, use_engine_thre
 from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes, short_hash
-from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider
+from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider, abort_output
 from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer, fetch_failures, tier_secret
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.lora.request import pop_lora_request
 from pagedserve.engine.output_processor import CHECKPOINT_INTERVAL_S, OutputKind
-from pagedserve.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kv_transfer.offload.remote import TierReadVerifier, block_file_limit, read_tier_blocks
@@ -93,21 +94,6 @@ def _plain_value_error(exc: ValueError) -> ValueError:
     if isinstance(exc, ValidationError) or type(exc) is not ValueError:
         return ValueError(str(exc))
     return exc
-
-
-def _abort_output(request_id: str, prompt: str | dict,
-                  params: SamplingParams | PoolingParams) -> RequestOutput | EmbeddingRequestOutput:
-    prompt_ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
-    if isinstance(params, PoolingParams):
-        text = prompt if isinstance(prompt, str) else None
-        return EmbeddingRequestOutput(request_id, text, prompt_ids, EmbeddingOutput([]), error="aborted")
-    n = params.n
-    outputs = [
-        CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="abort")
-        for i in range(n)
-    ]
-    return RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                         prompt_token_ids=prompt_ids, prompt_logprobs=None, outputs=outputs, finished=True)
 
 
 def _node_id() -> str | None:
@@ -168,6 +154,7 @@ class EngineHost:
         stall_timeout_s: float = 120.0,
         kv_secret: SecretStr | None = None,
         engines_per_node: int | None = None,
+        stream_interval: int = 1,
     ) -> None:
         restrict_to_assigned_gpus()  # before anything initialises CUDA in this process
         where = _serve_replica()
@@ -180,7 +167,7 @@ class EngineHost:
         # Identifies this incarnation: a restarted engine's counters start again from zero.
         self.incarnation = uuid.uuid4().hex
         self.engine = AsyncLLM(EngineConfig(**engine_kwargs), max_pending_requests=max_pending_requests,
-                               stall_timeout_s=stall_timeout_s)
+                               stall_timeout_s=stall_timeout_s, stream_interval=stream_interval)
         self.block_size = self.engine.config.block_size
         # request_id -> set by abort_requests() to end that request's generate() stream.
         self._aborts: dict[str, asyncio.Event] = {}
@@ -294,7 +281,7 @@ class EngineHost:
                 if not next_output.done():
                     await _cancel_and_wait(next_output)
                     self._num_stream_outputs += 1
-                    yield elide(_abort_output(request_id, prompt, params))
+                    yield elide(abort_output(request_id, prompt, params))
                     return
                 try:
                     output = next_output.result()

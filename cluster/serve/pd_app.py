@@ -55,7 +55,8 @@ def pool_specs(args: ServeArgs, kv_secret: SecretStr | None = None) -> dict[str,
         specs[role] = PoolSpec(role, int(count), kwargs, kv_connector=args.kv_connector,
                                kv_connector_extra_config=dict(args.kv_connector_extra_config),
                                resources=dict(resources), num_cpus_per_engine=args.num_cpus_per_engine,
-                               max_pending_requests=args.max_pending_requests, kv_secret=kv_secret)
+                               max_pending_requests=args.max_pending_requests, kv_secret=kv_secret,
+                               stream_interval=args.stream_interval)
     return specs
 
 
@@ -95,7 +96,7 @@ def build_pd_app(args: ServeArgs) -> serve.Application:
                   "kv_transfer_config": spec.kv_transfer_config()}
         pools[role] = serve.deployment(EngineHost).options(**options[role]).bind(
             kwargs, max_pending_requests=spec.max_pending_requests, stall_timeout_s=spec.stall_timeout_s,
-            engines_per_node=engine_thread_share(args, spec.engine_kwargs, engines))
+            engines_per_node=engine_thread_share(args, spec.engine_kwargs, engines), stream_interval=spec.stream_interval)
     return PagedServeIngress.options(name=f"{args.app_name}-ingress", num_replicas=args.num_ingress_replicas).bind(
         args.to_dict(), connect_pd, pools)
 

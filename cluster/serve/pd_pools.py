@@ -43,6 +43,7 @@ class PoolSpec:
     num_cpus_per_engine: float = 1.0
     max_pending_requests: int = 1024
     stall_timeout_s: float = 120.0
+    stream_interval: int = 1  # generated tokens per streamed delta (`ServeArgs.stream_interval`)
     # The deployment's KV secret, the same for both pools (`deployment_kv_secret`); None: each engine
     # resolves PAGEDSERVE_KV_SECRET / _FILE itself. A SecretStr, so reprs and logs never show it.
     kv_secret: SecretStr | None = None
@@ -135,7 +136,7 @@ def start_pool(spec: PoolSpec, name_prefix: str, namespace: str | None = None,
         kwargs = {**pinned, **spec.engine_kwargs_for(name, namespace)}
         kwargs["device"] = pinned.get("device", kwargs.get("device"))
         pool.handles.append(actor_cls.options(**actor_options).remote(
-            kwargs, index, spec.max_pending_requests, spec.stall_timeout_s))
+            kwargs, index, spec.max_pending_requests, spec.stall_timeout_s, stream_interval=spec.stream_interval))
         pool.names.append(name)
     return pool
 

@@ -15,13 +15,24 @@ A request whose caller reads only its end (`final_only`: a non-streaming HTTP re
 the engine as deltas (`OutputKind.CHECKPOINT`: one per checkpoint interval and the finish, the text
 decoded once into the finishing delta), so that the router knows what it generated and a migration
 continues it from there (cluster/serve/migration.py) instead of starting over.
+
+A streamed request's deltas leave the engine at most once per `stream_interval` generated tokens
+(`ServeArgs.stream_interval`, `engine.delta_coalescer`; the first tokens and the finish at once): every
+item of a Ray stream, and every SSE event the ingress makes of it, costs the same whatever it carries.
+
+An aborted stream ends with one finished "abort" output (`abort_output`): the engine itself emits
+nothing for a request it aborted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import (
+    CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
+)
+from pagedserve.engine.pooling_params import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 # Outputs of one stream that may be produced and not yet read (Ray streaming-generator backpressure).
 STREAM_BACKPRESSURE_OBJECTS = 4
@@ -57,3 +68,18 @@ class PromptRestorer:
             output.prompt = self._prompt
         return output
 
+
+
+def abort_output(request_id: str, prompt: str | dict,
+                 params: SamplingParams | PoolingParams) -> RequestOutput | EmbeddingRequestOutput:
+    """The finished output that ends an aborted request's stream: every completion "abort", nothing new."""
+    prompt_ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
+    if isinstance(params, PoolingParams):
+        text = prompt if isinstance(prompt, str) else None
+        return EmbeddingRequestOutput(request_id, text, prompt_ids, EmbeddingOutput([]), error="aborted")
+    outputs = [
+        CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="abort")
+        for i in range(params.n)
+    ]
+    return RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                         prompt_token_ids=prompt_ids, prompt_logprobs=None, outputs=outputs, finished=True)

@@ -27,8 +27,9 @@ class RequestTimer:
     `final_only`: the stream's outputs each merge the deltas of a checkpoint interval, or of the whole
     request (`OutputKind.CHECKPOINT`). Its first token is then dated from the engine's own
     record (`RequestOutput.metrics`): it came as long before the first output as the engine's last token
-    in that output came after its first; the tokens of an output count as equal gaps over the time since
-    the one before (the first output's, over the engine's decode time up to it)."""
+    in that output came after its first; the first output's tokens count as equal gaps over the engine's
+    decode time up to it. In every stream, the tokens of a later output (several when merged: final_only,
+    a stream interval, a reader that fell behind) count as equal gaps over the time since the one before."""
 
     metrics: ServingMetrics
     prompt_tokens: int
@@ -65,11 +66,10 @@ class RequestTimer:
             elif self.first is None:
                 self.first = now
                 self.metrics.observe_first_token(now - self.start)
-            elif self.final_only:
+            else:  # an output of several tokens (merged: final_only, a stream interval, a lagging reader)
+                gap = (now - self.last) / num_tokens  # type: ignore[operator]
                 for _ in range(num_tokens):
-                    self.metrics.observe_inter_token((now - self.last) / num_tokens)  # type: ignore[operator]
-            else:
-                self.metrics.observe_inter_token(now - self.last)  # type: ignore[operator]
+                    self.metrics.observe_inter_token(gap)
             self.last = now
             self.generated += num_tokens
         for c in output.outputs:
