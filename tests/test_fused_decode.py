@@ -159,9 +159,17 @@ def test_engine_output_is_the_same_with_and_without_the_op(tiny_llama, monkeypat
         assert a.logprobs == b.logprobs
 
 
-def test_ineligible_reasons(tmp_path):
+def test_ineligible_reasons(tmp_path, monkeypatch):
     hf_config, _ = build_checkpoint(transformers.LlamaConfig, tmp_path)
     model = load_model(str(tmp_path), hf_config, torch.float32, ParallelContext.single())
+    assert fused_decode._ineligible_reason(model) is None
+    # A model off the CPU is refused before the compiled CPU ops are asked for (they would be built).
+    monkeypatch.setattr(fused_decode, "decode_layers_available", lambda: pytest.fail("CPU ops asked for"))
+    weight = model.model.norm.weight
+    model.model.norm.weight = torch.nn.Parameter(torch.empty(64, device="meta"), requires_grad=False)
+    assert fused_decode._ineligible_reason(model) == "weights not on the CPU"
+    monkeypatch.undo()
+    model.model.norm.weight = weight
     assert fused_decode._ineligible_reason(model) is None
     model.model.layers[1].post_attention_layernorm.weight.data = torch.ones(64, dtype=torch.float64)
     assert fused_decode._ineligible_reason(model) == "norm weight dtype"

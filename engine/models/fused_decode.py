@@ -29,6 +29,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 def _ineligible_reason(model: nn.Module) -> str | None:
     """Why a Llama-family model's (engine/models/llama.py) layers cannot run through the fused op (None: they can)."""
+    if any(p.device.type != "cpu" for p in model.parameters()):  # first: a CUDA model never builds the CPU ops
+        return "weights not on the CPU"
     if model.dtype not in DTYPES:
         return f"dtype {model.dtype}"
     if model.parallel.tp_size != 1:
@@ -44,8 +46,6 @@ def _ineligible_reason(model: nn.Module) -> str | None:
         for module, cls in projections:
             if type(module) is not cls:  # e.g. a LoRA wrapper
                 return f"{type(module).__name__} projections"
-            if not module.weight.device.type == "cpu":
-                return "weights not on the CPU"
             if module.qtype is None and module.weight.dtype != model.dtype:
                 return f"a {module.weight.dtype} weight in a {model.dtype} model"
             if module.qtype is not None and module.qtype not in GGUF_QUANT_TYPES:
