@@ -224,7 +224,9 @@ class ModelRunner:
             self.kv_caches,
             metadata,
             intermediate=intermediate,
-            kv_hooks=self.kv_hooks,
+            # Layer-by-layer waits only while this step loads KV (a connector with no loads waits on nothing):
+            # without them a decode step on CPU takes the fused op (engine/models/fused_decode.py).
+            kv_hooks=self.kv_hooks if has_loads else None,
         )
 
     def _finish_kv_loads(self, kv_md, output: ModelRunnerOutput | None = None) -> None:
