@@ -18,13 +18,31 @@ import torch
 from torch import nn
 
 from pagedserve.engine.layers.attention_metadata import AttentionMetadata
-from pagedserve.kernels.decode_layers import DTYPES, decode_layers, decode_layers_available, qtype_code
+from pagedserve.kernels.decode_layers import (
+    DTYPES,
+    LAYER_PARAMS,
+    LAYER_PROJECTIONS,
+    decode_layers,
+    decode_layers_available,
+    qtype_code,
+)
 from pagedserve.kernels.torch_impl.gguf_quant import GGUF_QUANT_TYPES
 from pagedserve.parallel.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# Each projection's built class (a LoRA wrapper or any other replacement keeps the layer path).
+_PROJECTION_CLASSES = {"qkv": QKVParallelLinear, "o": RowParallelLinear, "gate_up": MergedColumnParallelLinear,
+                       "down": RowParallelLinear}
+
+
+def _projections(layer: nn.Module) -> dict[str, nn.Module]:
+    """One layer's projections by their kernels.decode_layers.LAYER_PROJECTIONS names, in that order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    named = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+    return {name: named[name] for name in LAYER_PROJECTIONS}
 
 
 def _ineligible_reason(model: nn.Module) -> str | None:
@@ -40,11 +58,9 @@ def _ineligible_reason(model: nn.Module) -> str | None:
     if model.model.rotary_emb.cos_sin_cache.dtype not in DTYPES:
         return "rotary cache dtype"
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = ((attn.qkv_proj, QKVParallelLinear), (attn.o_proj, RowParallelLinear),
-                       (mlp.gate_up_proj, MergedColumnParallelLinear), (mlp.down_proj, RowParallelLinear))
-        for module, cls in projections:
-            if type(module) is not cls:  # e.g. a LoRA wrapper
+        attn = layer.self_attn
+        for name, module in _projections(layer).items():
+            if type(module) is not _PROJECTION_CLASSES[name]:  # e.g. a LoRA wrapper
                 return f"{type(module).__name__} projections"
             if module.qtype is None and module.weight.dtype != model.dtype:
                 return f"a {module.weight.dtype} weight in a {model.dtype} model"
@@ -59,14 +75,17 @@ def _ineligible_reason(model: nn.Module) -> str | None:
 
 
 def _layer_params(layer: nn.Module) -> list[torch.Tensor | None]:
-    """One layer's tensors in the order of kernels.decode_layers.LAYER_PARAMS."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return [
-        layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-        None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight,
-        attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
-    ]
+    """One layer's tensors in the order of kernels.decode_layers.LAYER_PARAMS (None: absent)."""
+    attn = layer.self_attn
+    proj = _projections(layer)
+    named = {
+        "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+        "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
+        "k_norm": None if attn.k_norm is None else attn.k_norm.weight,
+        **{name: module.weight for name, module in proj.items()},
+        **{f"{name}_bias": module.bias for name, module in proj.items()},
+    }
+    return [named[name] for name in LAYER_PARAMS]
 
 
 class FusedDecodeStack:
@@ -79,8 +98,7 @@ class FusedDecodeStack:
         self.qtypes: list[int] = []
         self.in_features: list[int] = []
         for layer in layers:
-            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                         layer.mlp.down_proj):
+            for proj in _projections(layer).values():
                 self.qtypes.append(qtype_code(proj.qtype))
                 self.in_features.append(proj.input_size_per_rank if isinstance(proj, RowParallelLinear)
                                         else proj.input_size)
@@ -94,6 +112,8 @@ class FusedDecodeStack:
         self.dtype = model.dtype
         self._checked_caches: list[KVCache] | None = None
         self._caches_ok = False
+        self._key_caches: list[torch.Tensor] = []
+        self._value_caches: list[torch.Tensor] = []
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedDecodeStack | None:
@@ -111,6 +131,8 @@ class FusedDecodeStack:
                 k.dtype == v.dtype == self.dtype and k.stride(-1) == 1 and k.stride() == v.stride()
                 for k, v in kv_caches
             )
+            self._key_caches = [k for k, _ in kv_caches]
+            self._value_caches = [v for _, v in kv_caches]
         return self._caches_ok
 
     def can_run(self, hidden: torch.Tensor, kv_caches: list[KVCache], md: AttentionMetadata,
@@ -129,9 +151,11 @@ class FusedDecodeStack:
 
     def run(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
             kv_caches: list[KVCache], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._caches_fit(kv_caches):  # (an identity check after can_run: it also splits K from V once)
+            raise ValueError("kv_caches: not in the layout the fused decode op reads (call can_run first)")
         return decode_layers(
             hidden, residual, positions, self.params, self.qtypes, self.in_features,
-            [k for k, _ in kv_caches], [v for _, v in kv_caches], md.slot_mapping, md.block_tables, md.seq_lens,
+            self._key_caches, self._value_caches, md.slot_mapping, md.block_tables, md.seq_lens,
             self.rotary.cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_size, self.rotary.is_neox,
             self.scale, self.sliding_windows, self.eps,
         )
