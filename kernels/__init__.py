@@ -22,10 +22,11 @@ from pagedserve.kernels.lora import LoRASegments, lora_segment_matmul
 from pagedserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_unchecked, rms_norm, rms_norm_unchecked
 from pagedserve.kernels.quantized import gguf_embedding, gguf_linear
 from pagedserve.kernels.rotary import compute_rope_cos_sin_cache, rotary_embedding, rotary_embedding_unchecked
-from pagedserve.kernels.sampling import apply_top_k_top_p_min_p
+from pagedserve.kernels.sampling import apply_top_k_top_p_min_p, greedy_argmax
 
 __all__ = [
     "apply_top_k_top_p_min_p",
+    "greedy_argmax",
     "compute_rope_cos_sin_cache",
     "fused_add_rms_norm",
     "fused_add_rms_norm_unchecked",

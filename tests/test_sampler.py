@@ -47,6 +47,22 @@ def test_accepts_half_precision_logits():
     assert out.token_ids == logits.float().argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_argmax_is_argmax_with_ties_nan_and_infinities(dtype):
+    """kernels.greedy_argmax (max(dim).indices on CPU) answers as argmax does: the first of equal maxima,
+    a NaN as the largest, +inf over everything finite, a row of -inf at index 0; wide rows too."""
+    from pagedserve.kernels import greedy_argmax
+
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1, 3, 3, 0], [nan, 1, nan, 5], [-inf] * 4, [2, inf, inf, 1], [0, 0, 0, 0]])
+    wide = torch.randn(9, 49152, generator=torch.Generator().manual_seed(3))
+    wide[1, [7, 40000]] = 50.0  # a tie far apart
+    wide[2, 30000] = nan
+    for logits in (rows.to(dtype), wide.to(dtype)):
+        assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+        assert torch.equal(greedy_argmax(logits), logits.float().argmax(dim=-1))  # widening changes nothing
+
+
 @pytest.mark.parametrize("kw", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 0.99}])
 def test_truncation_to_one_token_is_argmax(kw):
     # Flat-ish logits: without truncation, sampling would pick many different tokens.

@@ -329,11 +329,14 @@ class LlamaForCausalLM(nn.Module):
             self._fused_stack_built = True
         return self._fused_stack
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab_size] float32 logits over the full vocabulary."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab_size] logits over the full vocabulary: float32, or with `upcast=False`
+        in the LM head's own dtype (for the sampler, which widens only what it needs: a plain greedy batch
+        takes its argmax as is, and widening a [64, 49k] bf16 batch costs about as much as that argmax)."""
         if self.lm_head is None:
             raise ValueError("compute_logits is only available on the last pipeline stage")
-        return self.lm_head.compute_logits(hidden).float()
+        logits = self.lm_head.compute_logits(hidden)
+        return logits.float() if upcast else logits
 
     # ---- weights -------------------------------------------------------------
 

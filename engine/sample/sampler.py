@@ -51,7 +51,7 @@ from pagedserve.engine.sample.sampling_batch import (
     SamplingBatch,
 )
 from pagedserve.engine.sample.state import SamplingState
-from pagedserve.kernels import apply_top_k_top_p_min_p
+from pagedserve.kernels import apply_top_k_top_p_min_p, greedy_argmax
 
 __all__ = [
     "FaultInjector", "Logprob", "Sampler", "SamplerOutput", "SamplingState",
@@ -164,7 +164,7 @@ class Sampler:
         errors = self._row_errors(view)
         constrained = token_bitmask is not None and bool(bitmask_rows)
         if view.plain_greedy and not constrained and not errors:
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(states))
+            return SamplerOutput(token_ids=greedy_argmax(logits).tolist(), logprobs=[None] * len(states))
         logits = logits.to(torch.float32)
         masked = logits
         if constrained:
@@ -246,14 +246,14 @@ class Sampler:
         else:
             greedy_rows, lp_rows, params = view.greedy_rows, view.logprob_rows, None
         if not errors and not len(random_rows):
-            sampled = processed.argmax(dim=-1)
+            sampled = greedy_argmax(processed)
         elif not errors and len(random_rows) == num_rows:
             sampled = self._race(processed, noise, self._race_params(view, None))
         else:
             sampled = torch.full((num_rows,), -1, dtype=torch.long, device=device)
             if len(greedy_rows):
                 index = _index(view, greedy_rows, "greedy", not errors)
-                sampled[index] = processed[index].argmax(dim=-1)
+                sampled[index] = greedy_argmax(processed[index])
             if len(random_rows):
                 index = _index(view, random_rows, "random", not errors)
                 sampled[index] = self._race(processed[index], noise, params or self._race_params(view, None))
@@ -300,7 +300,7 @@ class Sampler:
         if top_k is not None or top_p is not None or min_p is not None:
             logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
         probs = torch.softmax(logits, dim=-1)
-        return probs.div_(noise).argmax(dim=-1)
+        return greedy_argmax(probs.div_(noise))
 
 
 def _index(view: BatchView, rows: np.ndarray, name: str, cached: bool) -> torch.Tensor:

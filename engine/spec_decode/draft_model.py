@@ -23,6 +23,7 @@ import torch
 from pagedserve.engine.models.loader import load_model
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, load_draft_hf_config
 from pagedserve.engine.spec_decode.flat_batch import build_flat_inputs
+from pagedserve.kernels import greedy_argmax
 from pagedserve.parallel.state import ParallelContext
 
 
@@ -99,7 +100,7 @@ class DraftModel:
             self.computed[w.req_id] = w.end
         if not speculating:
             return {}
-        tokens = self.model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
+        tokens = greedy_argmax(self.model.compute_logits(hidden[last_rows], upcast=False)).tolist()
         drafts = {w.req_id: [t] for w, t in zip(speculating, tokens)}
         # One decode step per further draft token, over the requests that still want more.
         for i in range(1, max(w.num_drafts for w in speculating)):
@@ -109,7 +110,7 @@ class DraftModel:
             ids, positions, metadata = build_flat_inputs(chunks, starts, [w.block_ids for w in active],
                                                          self.block_size, self.device)
             hidden = self.model.forward(ids, positions, self.kv_caches, metadata)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            tokens = greedy_argmax(self.model.compute_logits(hidden, upcast=False)).tolist()
             for w, t in zip(active, tokens):
                 drafts[w.req_id].append(t)
                 self.computed[w.req_id] = w.end + i

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.kernels import apply_top_k_top_p_min_p
+from pagedserve.kernels import apply_top_k_top_p_min_p, greedy_argmax
 
 __all__ = ["SpecResult", "SpecRow", "rejection_sample"]
 
@@ -103,9 +103,9 @@ def rejection_sample(
         if random_rows.size:  # argmax only over the logits rows the greedy requests own
             own = _tensor(_owned_positions(greedy_rows, counts, starts), device)
             top_all = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
-            top_all[own] = logits[own].argmax(dim=-1)
+            top_all[own] = greedy_argmax(logits[own])
         else:
-            top_all = logits.argmax(dim=-1)
+            top_all = greedy_argmax(logits)
         top = top_all[positions[g_index]]  # [G, M+1]
         accept[g_index] = top[:, :max_m] == drafts[g_index]
     if random_rows.size:
@@ -134,7 +134,7 @@ def rejection_sample(
             residual = dist.scatter(1, rejected_token, kept)
             # All of p on the rejected draft (only by rounding): fall back to p rather than race over zeros.
             dist = torch.where((residual.sum(dim=1, keepdim=True) > 0), residual, dist)
-        next_tokens[r_index] = dist.div_(noise).argmax(dim=-1)
+        next_tokens[r_index] = greedy_argmax(dist.div_(noise))
 
     host = torch.stack([num_accepted, next_tokens]).tolist()
     return [

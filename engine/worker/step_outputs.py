@@ -42,7 +42,7 @@ class StepOutputs:
         if self.is_driver:
             self.pooler.collect(output, so, plan, hidden, self.states)
         if plan.sample_rows:
-            logits = self.model.compute_logits(hidden[plan.sample_rows])
+            logits = self.model.compute_logits(hidden[plan.sample_rows], upcast=False)  # the sampler widens
             if self.is_driver:
                 self._sample(output, so, plan, logits, fault_injector)
         if plan.spec_rows:
