@@ -418,6 +418,30 @@ WorkPlan plan_work(const int32_t* lens, int64_t num_seqs, int64_t num_kv_heads, 
   return plan;
 }
 
+// An item's cost: the keys and values it reads (a fixed cost per item is small beside a context's).
+inline int64_t item_work(const WorkItem& it) {
+  return (it.token_end - it.token_begin) * (it.kv_head_end - it.kv_head_begin);
+}
+
+// Boundaries of `runs` contiguous runs of items of about equal work (bounds[r] .. bounds[r + 1]), one
+// per thread: a batch's sequences sit at different positions, so equal numbers of items are not equal
+// work, and a thread done early would wait at the region's end for the other. Which thread runs an item
+// never changes its arithmetic.
+std::vector<int64_t> balanced_runs(const std::vector<WorkItem>& items, int64_t runs, int64_t total_work) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  runs = std::max<int64_t>(1, std::min(runs, n));
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0, i = 0;
+  for (int64_t r = 1; r < runs; ++r) {
+    const int64_t target = total_work * r / runs;
+    // Take items while the run's end stays nearer to the target with the item than without it.
+    while (i < n - (runs - r) && done + item_work(items[i]) / 2 < target) done += item_work(items[i++]);
+    bounds.push_back(i);
+  }
+  bounds.push_back(n);
+  return bounds;
+}
+
 template <typename T>
 void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -448,9 +472,12 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   const bool vectorised = head_size % kLanes == 0;
   const bool fast = kAvx512Path && vectorised;  // the AVX-512 path (else the generic vectors below)
   int64_t work = 0;
-  for (const WorkItem& it : items) work += (it.token_end - it.token_begin) * (it.kv_head_end - it.kv_head_begin);
+  for (const WorkItem& it : items) work += item_work(it);
   const bool run_inline = work * group * head_size < (fast ? kInlineWorkAvx512 : kInlineWork);
-  at::parallel_for(0, num_items, run_inline ? std::max<int64_t>(num_items, 1) : 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds = balanced_runs(items, run_inline ? 1 : at::get_num_threads(), work);
+  const int64_t num_runs = static_cast<int64_t>(bounds.size()) - 1;
+  at::parallel_for(0, num_runs, 1, [&](int64_t run_begin, int64_t run_end) {
+    const int64_t begin = bounds[run_begin], end = bounds[run_end];
     // Per-thread scratch, reused across calls (a call allocating seven buffers costs more than a short
     // context's arithmetic): the query widened to float, a row widened to float (generic path), the
     // scores, the accumulator of items that write their output directly (partials have their own slots),

@@ -155,10 +155,14 @@ def test_compiled_decode_sliding_window(sliding_window):
     torch.testing.assert_close(out.double(), ref, **tolerance(torch.float32))
 
 
-def test_compiled_decode_is_bitwise_stable_across_thread_counts_and_close_across_batches():
+@pytest.mark.parametrize("seq_lens", [
+    [300, 7, 64, 1000],  # few sequences: contexts split into partitions
+    [900] + [3] * 18 + [200, 5],  # a batch not split, its work piled at both ends: runs of unequal counts
+])
+def test_compiled_decode_is_bitwise_stable_across_thread_counts_and_close_across_batches(seq_lens):
     """The thread count never changes the arithmetic (seeded sampling must not depend on the machine);
-    a sequence alone or in another batch may be partitioned differently, within rounding."""
-    seq_lens = [300, 7, 64, 1000]
+    a sequence alone or in another batch may be partitioned differently, within rounding. Threads take
+    runs of about equal work, not equal numbers of sequences."""
     batch = make_paged_batch(seq_lens, 2, 64, 16, torch.bfloat16, seed=5)
     query = torch.randn(len(seq_lens), 8, 64).to(torch.bfloat16)
     threads = torch.get_num_threads()
