@@ -110,6 +110,59 @@ def test_compiled_op_on_a_model_sized_matrix_in_several_tiles(m):
     close(torch.ops.pagedserve.gguf_linear(xb, raw, 3, 576), reference(xb, deq), torch.bfloat16)
 
 
+SIMPLE_QTYPES = [q for q in QTYPES if q not in K_QUANTS]
+
+
+@pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
+@pytest.mark.parametrize("qtype", SIMPLE_QTYPES)
+@pytest.mark.parametrize("m,n,k", [(5, 1, 32), (16, 31, 64), (31, 33, 576), (33, 100, 1536), (64, 960, 576),
+                                   (200, 70, 96), (256, 64, 64), (257, 40, 64)])
+def test_compiled_op_bf16_batches_round_once_from_float32_sums(qtype, m, n, k):
+    """bf16 activations at 5-256 rows (the AMX path on CPUs that have it, the tile path elsewhere and at
+    257): the weight dequantized to bf16 (as the gguf package gives it, rounded), the products summed in
+    float32 and rounded to bf16 once. Row counts and N off the 16/32-row tiles, K from one block to 48."""
+    raw, deq = quantized(qtype, n, k, seed=m + n)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        with torch.inference_mode():
+            out = torch.ops.pagedserve.gguf_linear(x, raw, GGUF_QUANT_TYPES[qtype][0], k)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    exact = x.double() @ deq.to(torch.bfloat16).double().t()
+    scale = exact.abs().max().item()
+    # One bf16 rounding of each output (2^-8 relative) plus float32 summation order over k terms.
+    torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=scale * k * 2e-7 + 1e-6)
+
+
+@pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
+def test_amx_path_switch_gives_the_tile_path_result(tmp_path):
+    """PAGEDSERVE_CPU_AMX=0 (read once per process) keeps bf16 batches on the tile path: both agree within
+    their rounding. On a CPU without AMX the two runs take the same path."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from pagedserve.kernels.cpu import cpu_ops_available\n"
+        "assert cpu_ops_available()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "raw = torch.randint(0, 256, (96, 18 * 20), dtype=torch.uint8, generator=g)\n"
+        "raw.view(96, 18, 20)[:, :, :4] = torch.tensor([0, 0x2c, 0, 0xa8], dtype=torch.uint8)\n"  # d = 1/16, m = -1/32
+        "x = torch.randn(64, 576, generator=g).to(torch.bfloat16)\n"
+        "torch.save(torch.ops.pagedserve.gguf_linear(x, raw, 3, 576), sys.argv[1])\n"
+    )
+    outs = []
+    for switch in ("1", "0"):
+        path = tmp_path / f"out{switch}.pt"
+        env = dict(__import__("os").environ, PAGEDSERVE_CPU_AMX=switch)
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=300)
+        outs.append(torch.load(path))
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2 ** -7, atol=1e-2)
+
+
 @pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_op_in_inference_mode_on_several_threads(dtype):
