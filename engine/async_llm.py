@@ -94,11 +94,12 @@ class AsyncLLM:
         self._num_unfinished = 0
         # Live generate() streams (the bound on pending requests); touched by callers only.
         self._num_active = 0
-        built = concurrent.futures.Future()
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._build_and_run, args=(config, built), name="pagedserve-engine",
                                         daemon=True)
         self._thread.start()
-        self.engine: LLMEngine = built.result()  # (set by the thread first); re-raises what building raised
+        self.engine: LLMEngine
+        built.result()  # the thread has set self.engine; re-raises what building it raised (a bad config: ValueError)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
 
@@ -345,7 +346,7 @@ class AsyncLLM:
             request_ids, self._pending_aborts = self._pending_aborts, []
             self.engine.abort_request(request_ids)
 
-    def _build_and_run(self, config: EngineConfig, built: concurrent.futures.Future) -> None:
+    def _build_and_run(self, config: EngineConfig, built: concurrent.futures.Future[None]) -> None:
         """Build the engine on this thread (see the module docstring: one thread opens every parallel
         region of it), hand it to the constructor, then step it."""
         try:
@@ -355,7 +356,7 @@ class AsyncLLM:
             built.set_exception(exc)
             return
         self.engine = engine
-        built.set_result(engine)
+        built.set_result(None)
         self._run()
 
     def _run(self) -> None:

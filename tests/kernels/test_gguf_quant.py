@@ -9,6 +9,10 @@ only in summation order (float32) or in rounding the dequantized weight to bf16.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -141,9 +145,6 @@ def test_compiled_op_bf16_batches_round_once_from_float32_sums(qtype, m, n, k):
 def test_amx_path_switch_gives_the_tile_path_result(tmp_path):
     """PAGEDSERVE_CPU_AMX=0 (read once per process) keeps bf16 batches on the tile path: both agree within
     their rounding. On a CPU without AMX the two runs take the same path."""
-    import subprocess
-    import sys
-
     script = (
         "import sys, torch\n"
         "from pagedserve.kernels.cpu import cpu_ops_available\n"
@@ -157,7 +158,7 @@ def test_amx_path_switch_gives_the_tile_path_result(tmp_path):
     outs = []
     for switch in ("1", "0"):
         path = tmp_path / f"out{switch}.pt"
-        env = dict(__import__("os").environ, PAGEDSERVE_CPU_AMX=switch)
+        env = dict(os.environ, PAGEDSERVE_CPU_AMX=switch)
         subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=300)
         outs.append(torch.load(path))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2 ** -7, atol=1e-2)
