@@ -21,14 +21,18 @@ class FakeResponse:
 
 class FakeHandle:
     """`handle.options(stream=True).generate.remote(*args, **kwargs)` -> the replica's `generate`;
-    every call's arguments are recorded in `calls`."""
+    every call's arguments are recorded in `calls`, and the transport it went over in `transports`
+    ("grpc" for a handle with `_by_reference=False`, else "ray"). Views made by `options` share both."""
 
-    def __init__(self, replica: Any) -> None:
+    def __init__(self, replica: Any, by_reference: bool = True, calls: list | None = None,
+                 transports: list | None = None) -> None:
         self.replica = replica
-        self.calls: list[tuple[tuple, dict]] = []
+        self.by_reference = by_reference
+        self.calls: list[tuple[tuple, dict]] = [] if calls is None else calls
+        self.transports: list[str] = [] if transports is None else transports
 
-    def options(self, stream: bool) -> FakeHandle:
-        return self
+    def options(self, stream: bool, _by_reference: bool = True) -> FakeHandle:
+        return FakeHandle(self.replica, _by_reference, self.calls, self.transports)
 
     @property
     def generate(self) -> Any:
@@ -38,6 +42,7 @@ class FakeHandle:
             @staticmethod
             def remote(*args, **kwargs) -> FakeResponse:
                 handle.calls.append((args, kwargs))
+                handle.transports.append("ray" if handle.by_reference else "grpc")
                 return FakeResponse(handle.replica.generate(*args, **kwargs))
 
         return Method()

@@ -1,7 +1,13 @@
 """What the OpenAI layer needs of "the engines" (`generate`, `abort`, `latest_stats`, `aggregate_stats`,
 `is_healthy`), over a DeploymentHandle to the engine deployment.
 
-Routing happens inside the handle (`serve_router.PrefixAffinityRouter`). Stats and health come from
+Routing happens inside the handle (`serve_router.PrefixAffinityRouter`). Streams travel over Serve's gRPC
+transport between replicas (`_by_reference=False`: one message per output on the stream) instead of one
+Ray object per output (a task return, its ownership and its reference counting): on the default model at
+64 streams that is most of the per-token cost of serving (`stream_transport`). Requests whose outputs may
+be large (prompt logprobs, top-k logprobs, embeddings) keep Ray's transport: a gRPC message is capped at
+4 MiB (`RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`), Ray objects are not. Over gRPC a replica's exception
+arrives as itself, over Ray wrapped in a RayTaskError; both mean the same here. Stats and health come from
 the engine replicas' routing stats as that router last received them, so /health and /metrics cost
 no RPC. Cumulative counters stay monotonic when replicas come and go: the last figures of every
 replica ever seen are kept and summed.
@@ -11,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import grpc
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.fleet_stats import EngineEntry, FleetAccumulator, FleetStats
@@ -48,10 +55,17 @@ def own_internal_request_id() -> Iterator[str]:
 
 
 def _unwrap(exc: BaseException) -> BaseException:
-    """A user exception raised in the replica arrives as RayTaskError: give the cause back."""
+    """A user exception raised in the replica arrives as RayTaskError over Ray's transport: give the cause
+    back (over gRPC it arrives as itself)."""
     if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException):
         return exc.cause
     return exc
+
+
+def may_send_large_outputs(sampling_params: dict, pooling_params: dict | None) -> bool:
+    """Whether a request's outputs may outgrow a gRPC message (see the module docstring)."""
+    return (pooling_params is not None or sampling_params.get("prompt_logprobs") is not None
+            or sampling_params.get("logprobs") is not None)
 
 
 class ServeEngineClient:
@@ -59,7 +73,8 @@ class ServeEngineClient:
 
     def __init__(self, handle: Any, app_name: str, deployment_name: str) -> None:
         self.handle = handle
-        self.stream_handle = handle.options(stream=True)
+        self.stream_handle = handle.options(stream=True, _by_reference=False)  # Serve's gRPC transport
+        self.object_stream_handle = handle.options(stream=True)  # Ray objects: outputs of any size
         self.app_name = app_name
         self.deployment_name = deployment_name
         # Every replica ever seen (a replica that went away keeps what it counted): monotonic counters.
@@ -79,7 +94,8 @@ class ServeEngineClient:
         with own_internal_request_id() as internal_id:
             # The prompt stays the second positional argument: the request router reads it there.
             extra = {} if pooling_params is None else {"pooling_params": pooling_params}
-            response = self.stream_handle.generate.remote(request_id, list(prompt_token_ids), sampling_params,
+            large = may_send_large_outputs(sampling_params, pooling_params)
+            response = (self.object_stream_handle if large else self.stream_handle).generate.remote(request_id, list(prompt_token_ids), sampling_params,
                                                           priority, final_only=final_only, cache_salt=cache_salt,
                                                           **extra)
         restore = PromptRestorer()
@@ -103,6 +119,12 @@ class ServeEngineClient:
             ok = False
             raise EngineDeadError(f"the engine replica died while serving request {request_id!r}: "
                                   f"{exc.__class__.__name__}") from None
+        except grpc.aio.AioRpcError as exc:  # the stream itself broke (Serve maps most of these already)
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            ok = False
+            raise EngineDeadError(f"the engine replica died while serving request {request_id!r}: "
+                                  f"{ActorUnavailableError.__name__}") from None
         except RayTaskError as exc:
             cause = _unwrap(exc)
             ok = False if isinstance(cause, EngineDeadError) or cause is exc else None
@@ -110,6 +132,12 @@ class ServeEngineClient:
             if cause is exc:
                 raise
             raise cause from None
+        except EngineDeadError:  # raised in the replica, arrived as itself (gRPC)
+            ok = False
+            raise
+        except EngineOverloadedError:
+            refused = True
+            raise
         finally:
             if not finished:
                 response.cancel()

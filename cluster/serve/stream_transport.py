@@ -6,10 +6,14 @@ stream (`PromptElider`); the coordinator puts it back into every later output (`
 callers still see complete `RequestOutput`s. Prompt logprobs already travel once: a DELTA stream
 carries them only in its first output.
 
-`STREAM_BACKPRESSURE_OBJECTS` bounds how many outputs of one stream may wait, unread, between the
-actor and its reader: the actor's generator pauses at that many, and meanwhile the engine's outputs
-merge into one delta (`RequestOutput.add` in `AsyncLLM.generate`), so a slow reader gets fewer,
-larger deltas instead of a pile of one object per step.
+Two transports carry a stream. The ingress's handle to the engine deployment sends it over Serve's
+gRPC transport (`client.ServeEngineClient`: one message per output, the stream paused by gRPC's flow
+control when its reader stops reading), but for requests whose outputs may be large (Ray objects have
+no size cap); plain engine actors (`engine_actor`) and the other handle calls use Ray's streaming
+generators, where `STREAM_BACKPRESSURE_OBJECTS` bounds how many outputs of one stream may wait, unread,
+between the actor and its reader. Either way, while the stream is paused the engine's outputs merge
+into one delta (`RequestOutput.add` in `AsyncLLM.generate`), so a slow reader gets fewer, larger
+deltas instead of a pile of one object per step.
 
 A request whose caller reads only its end (`final_only`: a non-streaming HTTP request) still leaves
 the engine as deltas (`OutputKind.CHECKPOINT`: one per checkpoint interval and the finish, the text
