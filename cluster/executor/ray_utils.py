@@ -13,8 +13,8 @@ logger = logging.getLogger(__name__)
 # Serve's settings for a Ray instance this process starts itself (a value already in the environment wins).
 # A cluster started with `ray start` (ray up, KubeRay) reads them from its own environment: manifests/ set them.
 # - RAY_SERVE_PROXY_USE_GRPC: the HTTP proxy forwards a request's ASGI messages to the ingress over Serve's
-#   gRPC transport instead of one Ray actor call and object per message (with the engine streams on gRPC,
-#   cluster/serve/client.py: one engine served 268 -> 405 output tok/s on the default model, 2 cores).
+#   gRPC transport instead of one Ray actor call and object per message, as the ingress reaches the engines
+#   (cluster/serve/client.py); together about 1.4x the served throughput on 2 cores (README, Performance).
 LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 

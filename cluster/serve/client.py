@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import grpc
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import grpc
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from pagedserve.cluster.engine_stats import EngineStats
@@ -94,10 +94,10 @@ class ServeEngineClient:
         with own_internal_request_id() as internal_id:
             # The prompt stays the second positional argument: the request router reads it there.
             extra = {} if pooling_params is None else {"pooling_params": pooling_params}
-            large = may_send_large_outputs(sampling_params, pooling_params)
-            response = (self.object_stream_handle if large else self.stream_handle).generate.remote(request_id, list(prompt_token_ids), sampling_params,
-                                                          priority, final_only=final_only, cache_salt=cache_salt,
-                                                          **extra)
+            handle = (self.object_stream_handle if may_send_large_outputs(sampling_params, pooling_params)
+                      else self.stream_handle)
+            response = handle.generate.remote(request_id, list(prompt_token_ids), sampling_params, priority,
+                                              final_only=final_only, cache_salt=cache_salt, **extra)
         restore = PromptRestorer()
         finished = False
         ok: bool | None = None  # the outcome, as the circuit breaker counts it (None: not the engine's doing)

@@ -8,10 +8,10 @@ Requests: `generate(request_id, prompt, sampling_params, priority, final_only, c
 engine's DELTA `RequestOutput`s (with `final_only`, CHECKPOINT deltas: one per checkpoint interval and
 the finish, the text decoded once at the end). The prompt is token ids (what
 the Serve request routers read as the call's second argument) or an engine prompt dict. The prompt goes
-once, in a stream's first output (`stream_transport`); a stream pauses while its reader is behind (gRPC's
-flow control, or `STREAM_BACKPRESSURE_OBJECTS` unread outputs of a Ray streaming call). A streamed request sends at most one delta per
-`stream_interval` generated tokens (`engine.delta_coalescer`: its first tokens and its finish at
-once). `abort_requests` ends the named streams with one final "abort" output (the engine itself emits
+once, in a stream's first output (`stream_transport`); a stream pauses while its reader is behind
+(gRPC's flow control, or `STREAM_BACKPRESSURE_OBJECTS` unread outputs of a Ray streaming call). A
+streamed request sends at most one delta per `stream_interval` generated tokens
+(`engine.delta_coalescer`: its first tokens and its finish at once). `abort_requests` ends the named streams with one final "abort" output (the engine itself emits
 nothing for an aborted request); cancelling a Serve stream aborts its request too.
 
 Serve's lifecycle: `check_health` is the health check (the engine loop died, or it stalls with work
