@@ -1,5 +1,5 @@
-"""`ServeEngineClient`'s two transports: plain streams over Serve's gRPC transport, requests whose outputs
-may outgrow a gRPC message (prompt logprobs, logprobs, embeddings) over Ray's; and a replica's exception
+"""`ServeEngineClient`'s two transports: plain streams over Serve's gRPC transport, requests that may
+outgrow a gRPC message (prompt logprobs, logprobs, embeddings, very long prompts) over Ray's; and a replica's exception
 read the same way whether it arrives wrapped in a RayTaskError (Ray) or as itself (gRPC)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ray import cloudpickle  # noqa: E402
 from ray.exceptions import RayTaskError  # noqa: E402
 
 from pagedserve.cluster.serve import router_registry  # noqa: E402
-from pagedserve.cluster.serve.client import ServeEngineClient, may_send_large_outputs  # noqa: E402
+from pagedserve.cluster.serve.client import GRPC_PROMPT_TOKENS, ServeEngineClient, too_large_for_grpc  # noqa: E402
 from pagedserve.cluster.serve.engine_host import EngineHost  # noqa: E402
 from pagedserve.engine.async_llm import EngineDeadError, EngineOverloadedError  # noqa: E402
 from pagedserve.engine.outputs import Logprob  # noqa: E402
@@ -27,7 +27,14 @@ def test_prompt_logprobs_of_a_long_prompt_outgrow_a_grpc_message():
     """Why such requests stay on Ray's transport: 20 prompt logprobs of 5,000 positions pickle past the cap."""
     positions = [None] + [{p * 21 + j: Logprob(-1.5, j + 1, f" t{j}") for j in range(21)} for p in range(5000)]
     assert len(cloudpickle.dumps(positions)) > GRPC_MESSAGE_CAP
-    assert may_send_large_outputs({"prompt_logprobs": 20}, None)
+    assert too_large_for_grpc(5000, {"prompt_logprobs": 20}, None)
+
+
+def test_the_longest_prompt_sent_over_grpc_fits_a_message_with_room_to_spare():
+    worst = [2**31 - 1] * GRPC_PROMPT_TOKENS  # ids of a huge vocabulary pickle largest
+    assert len(cloudpickle.dumps(worst)) < GRPC_MESSAGE_CAP * 2 // 3
+    assert not too_large_for_grpc(GRPC_PROMPT_TOKENS, {"max_tokens": 4}, None)
+    assert too_large_for_grpc(GRPC_PROMPT_TOKENS + 1, {"max_tokens": 4}, None)
 
 
 @pytest.mark.parametrize("params, large", [
@@ -38,8 +45,8 @@ def test_prompt_logprobs_of_a_long_prompt_outgrow_a_grpc_message():
     ({"max_tokens": 4, "prompt_logprobs": 0}, True),
 ])
 def test_which_requests_may_send_large_outputs(params, large):
-    assert may_send_large_outputs(params, None) is large
-    assert may_send_large_outputs(params, {"pooling": "mean"}) is True
+    assert too_large_for_grpc(100, params, None) is large
+    assert too_large_for_grpc(100, params, {"pooling": "mean"}) is True
 
 
 def test_plain_streams_go_over_grpc_and_logprob_streams_over_ray(tiny_llama):

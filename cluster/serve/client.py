@@ -4,9 +4,11 @@
 Routing happens inside the handle (`serve_router.PrefixAffinityRouter`). Streams travel over Serve's gRPC
 transport between replicas (`_by_reference=False`: one message per output on the stream) instead of one
 Ray object per output (a task return, its ownership and its reference counting): on the default model at
-64 streams that is most of the per-token cost of serving (`stream_transport`). Requests whose outputs may
-be large (prompt logprobs, top-k logprobs, embeddings) keep Ray's transport: a gRPC message is capped at
-4 MiB (`RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`), Ray objects are not. Over gRPC a replica's exception
+64 streams that is most of the per-token cost of serving (`stream_transport`). Requests that may not
+fit a gRPC message keep Ray's transport: a message is capped at 4 MiB
+(`RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`), Ray objects are not; those asking for prompt logprobs,
+top-k logprobs or embeddings, and prompts of more than `GRPC_PROMPT_TOKENS` tokens (the call carries the
+prompt, and a stream's first output carries it back). Over gRPC a replica's exception
 arrives as itself, over Ray wrapped in a RayTaskError; both mean the same here. Stats and health come from
 the engine replicas' routing stats as that router last received them, so /health and /metrics cost
 no RPC. Cumulative counters stay monotonic when replicas come and go: the last figures of every
@@ -62,10 +64,14 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
-def may_send_large_outputs(sampling_params: dict, pooling_params: dict | None) -> bool:
-    """Whether a request's outputs may outgrow a gRPC message (see the module docstring)."""
-    return (pooling_params is not None or sampling_params.get("prompt_logprobs") is not None
-            or sampling_params.get("logprobs") is not None)
+# The longest prompt sent over gRPC: pickled token ids take up to 5 bytes each, 2.5 MB of the 4 MiB.
+GRPC_PROMPT_TOKENS = 500_000
+
+
+def too_large_for_grpc(num_prompt_tokens: int, sampling_params: dict, pooling_params: dict | None) -> bool:
+    """Whether a request or its outputs may outgrow a gRPC message (see the module docstring)."""
+    return (num_prompt_tokens > GRPC_PROMPT_TOKENS or pooling_params is not None
+            or sampling_params.get("prompt_logprobs") is not None or sampling_params.get("logprobs") is not None)
 
 
 class ServeEngineClient:
@@ -94,9 +100,10 @@ class ServeEngineClient:
         with own_internal_request_id() as internal_id:
             # The prompt stays the second positional argument: the request router reads it there.
             extra = {} if pooling_params is None else {"pooling_params": pooling_params}
-            handle = (self.object_stream_handle if may_send_large_outputs(sampling_params, pooling_params)
+            prompt = list(prompt_token_ids)
+            handle = (self.object_stream_handle if too_large_for_grpc(len(prompt), sampling_params, pooling_params)
                       else self.stream_handle)
-            response = handle.generate.remote(request_id, list(prompt_token_ids), sampling_params, priority,
+            response = handle.generate.remote(request_id, prompt, sampling_params, priority,
                                               final_only=final_only, cache_salt=cache_salt, **extra)
         restore = PromptRestorer()
         finished = False
