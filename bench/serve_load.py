@@ -181,10 +181,8 @@ class LocalServer:
         if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
             # A Ray of its own on loopback (as the tests run it): address="local" never joins another
             # session that happens to run on this machine.
-            from pagedserve.cluster.executor.ray_utils import init_local_ray
-
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            init_local_ray(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
         from pagedserve.cluster.serve.app import server_url, start_server
         from pagedserve.cluster.settings import ServeArgs
 

@@ -12,15 +12,12 @@ import pytest
 def fresh_local_ray(num_cpus: int) -> Iterator[None]:
     import ray
 
-    from pagedserve.cluster.executor.ray_utils import init_local_ray
-
     if ray.is_initialized():
         ray.shutdown()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")  # only because the test starts its own local Ray
         # address="local": always a new cluster, never one a `ray start` left running on the machine.
-        # (with Serve's settings of a local instance, as `pagedserve serve` starts one)
-        init_local_ray(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         try:
             yield
         finally:

@@ -43,10 +43,10 @@ def serve_app(model: str, num_cpus: int = 4, declarative: bool = False, **args: 
     import ray
     from ray import serve
 
-    from pagedserve.cluster.executor.ray_utils import free_port, init_local_ray
+    from pagedserve.cluster.executor.ray_utils import free_port
     from pagedserve.cluster.serve.app import start_server
 
-    init_local_ray(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         served = ServeArgs(model=str(model), port=free_port(), **{**DEFAULTS, **args})
         if declarative:

@@ -633,23 +633,3 @@ def test_schema_extraction_script_round_trip(tmp_path):
     assert json.loads((tmp_path / "out" / "rayjob.v1.json").read_text())["properties"] == {"spec": {"type": "object"}}
     packed = (tmp_path / "out" / "big.v1.json.gz").read_bytes()
     assert len(gzip.decompress(packed)) > GZIP_OVER_BYTES and json.loads(gzip.decompress(packed)) == big
-
-
-@pytest.mark.parametrize("name", KUBERAY)
-def test_kuberay_ray_containers_put_serves_proxy_on_grpc(name):
-    """Every Ray container (head and each worker group) starts Ray with Serve's HTTP proxy on its gRPC
-    transport, as `pagedserve serve` starts a local Ray (`ray_utils.LOCAL_RAY_ENV`)."""
-    documents = manifest_documents(f"kuberay/{name}")
-    spec = _spec(documents)
-    groups = ["head"] + [group["groupName"] for group in spec["workerGroupSpecs"]]
-    for group in groups:
-        assert _env(documents, group, "RAY_SERVE_PROXY_USE_GRPC") == {"name": "RAY_SERVE_PROXY_USE_GRPC",
-                                                                        "value": "1"}, (name, group)
-
-
-@pytest.mark.parametrize("name", RAY_UP)
-def test_ray_up_starts_ray_with_serves_proxy_on_grpc(name):
-    config = manifest(name)
-    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
-        starts = [command for command in config[key] if "ray start" in command]
-        assert starts and all("export RAY_SERVE_PROXY_USE_GRPC=1;" in command for command in starts), (name, key)

@@ -34,11 +34,11 @@ def server(tiny_model_factory):
     import ray
     from ray import serve
 
-    from pagedserve.cluster.executor.ray_utils import free_port, init_local_ray
+    from pagedserve.cluster.executor.ray_utils import free_port
     from pagedserve.cluster.serve.app import server_url, start_server
 
     model = tiny_model_factory("llama", max_position_embeddings=2048)
-    init_local_ray(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     args = ServeArgs(model=str(model), dtype="float32", kv_cache_memory="32MiB", block_size=4, port=free_port(),
                      served_model_name=MODEL, api_key=API_KEY, max_num_seqs=64)
     try:

@@ -10,25 +10,6 @@ import ray
 
 logger = logging.getLogger(__name__)
 
-# Serve's settings for a Ray instance this process starts itself (a value already in the environment wins).
-# A cluster started with `ray start` (ray up, KubeRay) reads them from its own environment: manifests/ set them.
-# - RAY_SERVE_PROXY_USE_GRPC: the HTTP proxy forwards a request's ASGI messages to the ingress over Serve's
-#   gRPC transport instead of one Ray actor call and object per message, as the ingress reaches the engines
-#   (cluster/serve/client.py); together about 1.4x the served throughput on 2 cores (README, Performance).
-LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
-
-
-def init_local_ray(**kwargs) -> None:
-    """`ray.init(**kwargs)` of a new local instance whose processes (its raylet, and every worker that starts)
-    see `LOCAL_RAY_ENV`; this process's own environment is left as it was."""
-    added = {name: value for name, value in LOCAL_RAY_ENV.items() if name not in os.environ}
-    os.environ.update(added)
-    try:
-        ray.init(**kwargs)
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
-
 
 def ensure_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> None:
     """Reuse a running Ray session; else join `RAY_ADDRESS` when set; else start a local instance.
@@ -42,10 +23,7 @@ def ensure_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> None
     if address is None and num_cpus is not None:
         kwargs["num_cpus"] = num_cpus
     logger.info("starting Ray (%s)", f"joining {address}" if address else "local instance")
-    if address is None:
-        init_local_ray(**kwargs)
-    else:
-        ray.init(address=address, **kwargs)
+    ray.init(address=address, **kwargs)
 
 
 def assigned_cpus() -> float:
