@@ -307,6 +307,25 @@ def test_engine_replica_killed_its_requests_finish_elsewhere(http):
     assert complete(http, PROMPTS[0]).status_code == 200
 
 
+def test_new_requests_right_after_an_engine_replica_dies_succeed(http):
+    """The engine streams travel over Serve's gRPC transport, where a dead replica shows first as
+    "unavailable" and Serve's router keeps it until its controller drops it: a request routed there meanwhile
+    must go to the survivor (the client's migration and circuit breaker), streamed or not."""
+    import ray
+
+    _wait_running(APP, f"{APP}-engine", 2)
+    [victim, *_] = _replica_actors("engine")
+    ray.kill(victim, no_restart=True)
+    for i in range(8):
+        if i % 2:
+            streamed_text(http, PROMPTS[i % len(PROMPTS)], max_tokens=3)  # 200, and no error event
+        else:
+            response = complete(http, PROMPTS[i % len(PROMPTS)], max_tokens=3)
+            assert response.status_code == 200, response.text
+    _wait_running(APP, f"{APP}-engine", 2)
+    wait_all_blocks_free(http, replicas=2)
+
+
 def test_ingress_replica_killed_other_keeps_serving(http):
     import ray
 
