@@ -4,12 +4,12 @@
 Routing happens inside the handle (`serve_router.PrefixAffinityRouter`). Streams travel over Serve's gRPC
 transport between replicas (`_by_reference=False`: one message per output on the stream) instead of one
 Ray object per output (a task return, its ownership and its reference counting): on the default model at
-64 streams that is most of the per-token cost of serving (`stream_transport`). Requests that may not
-fit a gRPC message keep Ray's transport: a message is capped at 4 MiB
-(`RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`), Ray objects are not; those asking for prompt logprobs,
-top-k logprobs or embeddings, and prompts of more than `GRPC_PROMPT_TOKENS` tokens (the call carries the
-prompt, and a stream's first output carries it back). Over gRPC a replica's exception
-arrives as itself, over Ray wrapped in a RayTaskError; both mean the same here. Stats and health come from
+64 streams that is most of the per-token cost of serving (`stream_transport`). A gRPC message is capped
+at 4 MiB (`RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`), a Ray object is not, so requests that may not fit
+keep Ray's transport (`too_large_for_grpc`): those asking for prompt logprobs, top-k logprobs or
+embeddings, and prompts over `GRPC_PROMPT_TOKENS` tokens (the call carries the prompt, and a stream's
+first output carries it back). Over gRPC a replica's exception arrives as itself, over Ray wrapped in a
+RayTaskError; both mean the same here. Stats and health come from
 the engine replicas' routing stats as that router last received them, so /health and /metrics cost
 no RPC. Cumulative counters stay monotonic when replicas come and go: the last figures of every
 replica ever seen are kept and summed.
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from pagedserve.cluster.engine_stats import EngineStats
 from pagedserve.cluster.fleet_stats import EngineEntry, FleetAccumulator, FleetStats
@@ -131,7 +131,7 @@ class ServeEngineClient:
                 raise
             ok = False
             raise EngineDeadError(f"the engine replica died while serving request {request_id!r}: "
-                                  f"{ActorUnavailableError.__name__}") from None
+                                  "its gRPC stream is unavailable") from None
         except RayTaskError as exc:
             cause = _unwrap(exc)
             ok = False if isinstance(cause, EngineDeadError) or cause is exc else None
