@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 pytest.importorskip("ray")
@@ -116,3 +117,23 @@ def test_a_replicas_exception_means_the_same_over_either_transport(transport, er
         asyncio.run(run())
     assert not isinstance(caught.value, RayTaskError)  # the cause itself reaches the caller
     assert (router.outcomes, router.refusals) == (outcomes, refusals)
+
+
+@pytest.mark.parametrize("code, raised, outcomes", [
+    (grpc.StatusCode.UNAVAILABLE, EngineDeadError, [False]),  # the replica's process went away mid-stream
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.AioRpcError, []),  # not the engine's doing: as it came
+])
+def test_a_broken_grpc_stream_is_a_dead_engine_only_when_unavailable(code, raised, outcomes):
+    router = RecordingRouter()
+    app = f"app-grpc-{code.name}"
+    router_registry.register(app, "engine", router)
+    broken = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="from the test")
+    client = ServeEngineClient(FakeHandle(RaisingReplica(broken)), app, "engine")
+
+    async def run() -> None:
+        async for _ in client.generate("r", [1, 2, 3], {"max_tokens": 2}):
+            pass
+
+    with pytest.raises(raised):
+        asyncio.run(run())
+    assert (router.outcomes, router.refusals) == (outcomes, 0)

@@ -8,8 +8,8 @@ carries them only in its first output.
 
 Two transports carry a stream. The ingress's handle to the engine deployment sends it over Serve's
 gRPC transport (`client.ServeEngineClient`: one message per output, the stream paused by gRPC's flow
-control when its reader stops reading), but for requests whose outputs may be large (Ray objects have
-no size cap); plain engine actors (`engine_actor`) and the other handle calls use Ray's streaming
+control when its reader stops reading), but for requests that may not fit a gRPC message
+(`client.too_large_for_grpc`: Ray objects have no size cap); plain engine actors (`engine_actor`) and the other handle calls use Ray's streaming
 generators, where `STREAM_BACKPRESSURE_OBJECTS` bounds how many outputs of one stream may wait, unread,
 between the actor and its reader. Either way, while the stream is paused the engine's outputs merge
 into one delta (`RequestOutput.add` in `AsyncLLM.generate`), so a slow reader gets fewer, larger
