@@ -1,6 +1,7 @@
 """Build and load the C++ CPU ops (torch.ops.pagedserve.*) once per process.
 
-The library is compiled with -march=native against one torch installation's headers and libraries, so
+The library is compiled with -march=native (or the target `PAGEDSERVE_CPU_MARCH` names, e.g. `x86-64-v3`
+for a build that also runs on AVX2-only CPUs) against one torch installation's headers and libraries, so
 the build directory is keyed (`build_key()`) by the sources, the torch version and install path, the
 Python ABI, the compiler and its flags, and this CPU's model and feature flags: a home directory shared
 by machines of different CPUs never loads a library built for another, and two environments on one
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -39,9 +41,11 @@ SOURCES = [Path(__file__).with_name(name) for name in ("registration.cpp", "page
                                                       "gguf_linear.cpp", "elementwise.cpp", "decode_layers.cpp")]
 # Included by the sources: not compiled on their own, but part of what a build directory is keyed by.
 HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "ops.h")]
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # and -march (`compile_flags`)
 LDFLAGS = ["-fopenmp"]
 ENV_SWITCH = "PAGEDSERVE_CPU_OPS"
+MARCH_ENV = "PAGEDSERVE_CPU_MARCH"
+_MARCH_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once a load was attempted; "error": str on failure
@@ -57,6 +61,15 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
+def compile_flags() -> list[str]:
+    """CFLAGS and the target: `-march=native` unless PAGEDSERVE_CPU_MARCH names another (a gcc -march value:
+    the AVX-512/AMX code paths are compiled in only where that target has them). ValueError on a malformed one."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not _MARCH_PATTERN.fullmatch(march):
+        raise ValueError(f"{MARCH_ENV}: expected a compiler -march value such as native or x86-64-v3, got {march!r}")
+    return [*CFLAGS, f"-march={march}"]
+
+
 def build_key() -> dict[str, str]:
     """What the compiled library depends on besides its sources (each a part of the directory's name)."""
     compiler = os.environ.get("CXX", "c++")
@@ -65,7 +78,7 @@ def build_key() -> dict[str, str]:
         "torch_path": str(Path(torch.__file__).resolve().parent),
         "python_abi": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')}",
         "compiler": f"{compiler} ({shutil.which(compiler) or 'not found'})",
-        "cflags": " ".join(CFLAGS),
+        "cflags": " ".join(compile_flags()),
         "ldflags": " ".join(LDFLAGS),
         "cpu": _cpu_signature(),
     }
@@ -115,14 +128,14 @@ def load_cpu_ops() -> bool:
             return False
         from torch.utils.cpp_extension import load
 
-        directory = build_directory()
         start = time.perf_counter()
         try:
+            directory = build_directory()  # ValueError on a malformed PAGEDSERVE_CPU_MARCH: logged below
             with build_lock(directory):
                 load(
                     name="pagedserve_cpu_ops",
                     sources=[str(s) for s in SOURCES],
-                    extra_cflags=CFLAGS,
+                    extra_cflags=compile_flags(),
                     extra_ldflags=LDFLAGS,
                     build_directory=str(directory),
                     is_python_module=False,

@@ -78,6 +78,7 @@ inline float hsum(vec16 v) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
+#if defined(__AVX512F__)
 // Bytes to floats through 32-bit integers (vpmovzxbd/vpmovsxbd + vcvtdq2ps); a direct conversion from
 // 8-bit lanes is scalarised by GCC.
 inline vec16 to_float(u8x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), vec16); }
@@ -86,6 +87,29 @@ inline vec16 to_float(u8x16 q) { return __builtin_convertvector(__builtin_conver
 inline vec16 to_float_signed(u8x16 q) {
   return __builtin_convertvector(__builtin_convertvector(q ^ 0x80, i32x16) - 128, vec16);
 }
+#elif defined(__AVX2__)
+// Without AVX-512 GCC widens only the low 8 bytes with vpmovzxbd and extracts the high 8 one by one (a
+// 16x slower GEMV on AVX2 machines, measured): each half widened explicitly.
+template <bool Signed>
+inline vec16 bytes_to_float(u8x16 q) {
+  __m128i b;
+  std::memcpy(&b, &q, sizeof(b));
+  const __m128i high = _mm_srli_si128(b, 8);
+  const __m256 lo = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(high) : _mm256_cvtepu8_epi32(high));
+  vec16 v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+}
+inline vec16 to_float(u8x16 q) { return bytes_to_float<false>(q); }
+inline vec16 to_float_signed(u8x16 q) { return bytes_to_float<true>(q); }
+#else
+inline vec16 to_float(u8x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), vec16); }
+inline vec16 to_float_signed(u8x16 q) {
+  return __builtin_convertvector(__builtin_convertvector(q ^ 0x80, i32x16) - 128, vec16);
+}
+#endif
 inline vec16 to_float(u32x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), vec16); }
 
 inline u8x16 load_u8x16(const uint8_t* p) {
@@ -293,7 +317,7 @@ inline void dequant_row(const uint8_t* row, int64_t K, float* dst) {
 // a block costs one scale multiply instead of dequantizing every element (two multiply-adds per 16), and
 // sum(x) per block is computed once per call. The scales go through memory so the multiply broadcasts
 // them from there (no shuffle-port broadcast per block): this loop is bound by that port otherwise.
-// AVX-512 only (the library is built with -march=native); elsewhere every type takes rows_range.
+// AVX-512 here, AVX2 below; on other targets every type takes rows_range.
 #if defined(__AVX512F__)
 template <int64_t QT>
 struct Ints;
@@ -404,6 +428,152 @@ void rows_range_factored(const float* x, const float* sums, int64_t K, const uin
   for (; n + NR <= n1; n += NR) rows_factored<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
   for (; n < n1; ++n) rows_factored<QT, MT, 1>(x, sums, K, w, row_bytes, n, out, N);
 }
+// Rows of x the factored loop takes (more: each W row dequantized once into a buffer, dot_rows).
+constexpr int64_t kFactoredRows = 4;
+#define PAGEDSERVE_FACTORED 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 machines (no AVX-512): the same factored loop on 8-float registers, a block as four of them
+// (elements 0-7, 8-15, 16-23, 24-31). The generic 16-float code (rows_range) compiles to twice the
+// instructions there and spills its accumulators; this runs the default model's decode GEMVs at the
+// weights' streaming speed.
+template <int64_t QT>
+struct Ints;
+
+inline __m256i bytes8_u32(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 nibbles_lo(__m256i q) { return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))); }
+inline __m256 nibbles_hi(__m256i q) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)); }
+// Q5: the fifth bits of elements [first, first + 8) from the little-endian word at p, as 0 or 16.
+inline __m256i high_bits8(const uint8_t* p, int first) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
+  const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh)), shifts),
+                                       _mm256_set1_epi32(1));
+  return _mm256_slli_epi32(bit, 4);
+}
+// Q5's integers: (nibble | fifth bit) - offset for the eight elements from `first`.
+inline __m256 five_bits(__m256i nibbles, const uint8_t* qh, int first, int offset) {
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(nibbles, high_bits8(qh, first)), _mm256_set1_epi32(offset)));
+}
+
+template <>
+struct Ints<Q4_0> {
+  static constexpr bool kMin = false;
+  static inline void get(const uint8_t* b, __m256 v[4]) {
+    const __m256i q0 = bytes8_u32(b + 2), q1 = bytes8_u32(b + 10);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    v[0] = _mm256_sub_ps(nibbles_lo(q0), eight);
+    v[1] = _mm256_sub_ps(nibbles_lo(q1), eight);
+    v[2] = _mm256_sub_ps(nibbles_hi(q0), eight);
+    v[3] = _mm256_sub_ps(nibbles_hi(q1), eight);
+  }
+};
+
+template <>
+struct Ints<Q4_1> {
+  static constexpr bool kMin = true;
+  static inline void get(const uint8_t* b, __m256 v[4]) {
+    const __m256i q0 = bytes8_u32(b + 4), q1 = bytes8_u32(b + 12);
+    v[0] = nibbles_lo(q0);
+    v[1] = nibbles_lo(q1);
+    v[2] = nibbles_hi(q0);
+    v[3] = nibbles_hi(q1);
+  }
+};
+
+template <>
+struct Ints<Q5_0> {
+  static constexpr bool kMin = false;
+  static inline void get(const uint8_t* b, __m256 v[4]) {
+    const __m256i q0 = bytes8_u32(b + 6), q1 = bytes8_u32(b + 14), mask = _mm256_set1_epi32(0x0F);
+    v[0] = five_bits(_mm256_and_si256(q0, mask), b + 2, 0, 16);
+    v[1] = five_bits(_mm256_and_si256(q1, mask), b + 2, 8, 16);
+    v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + 2, 16, 16);
+    v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + 2, 24, 16);
+  }
+};
+
+template <>
+struct Ints<Q5_1> {
+  static constexpr bool kMin = true;
+  static inline void get(const uint8_t* b, __m256 v[4]) {
+    const __m256i q0 = bytes8_u32(b + 8), q1 = bytes8_u32(b + 16), mask = _mm256_set1_epi32(0x0F);
+    v[0] = five_bits(_mm256_and_si256(q0, mask), b + 4, 0, 0);
+    v[1] = five_bits(_mm256_and_si256(q1, mask), b + 4, 8, 0);
+    v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + 4, 16, 0);
+    v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + 4, 24, 0);
+  }
+};
+
+template <>
+struct Ints<Q8_0> {
+  static constexpr bool kMin = false;
+  static inline void get(const uint8_t* b, __m256 v[4]) {
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
+  }
+};
+
+template <int64_t QT>
+constexpr bool kFactored = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0;
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// As the AVX-512 rows_factored: out[m, n .. n + NR) for MT rows of x, the block's integers taken once per
+// W row and multiplied into every row of x (x read from memory by the multiply-adds: 16 registers).
+template <int64_t QT, int MT, int NR>
+inline void rows_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n,
+                          float* out, int64_t N) {
+  const int64_t nb = K / kBlock;
+  constexpr int64_t kBytes = Block<QT>::kBytes;
+  __m256 acc[NR][MT];
+  float macc[NR][MT] = {};
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  alignas(16) float dm[NR][4];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
+      if ((b * kBytes) / 64 != ((b + 1) * kBytes) / 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * NR * row_bytes), _MM_HINT_T0);
+      int32_t scales;  // d (and m) as float16
+      std::memcpy(&scales, blk, 4);
+      _mm_store_ps(dm[r], _mm_cvtph_ps(_mm_cvtsi32_si128(scales)));
+      __m256 v[4];
+      Ints<QT>::get(blk, v);
+      const __m256 d = _mm256_broadcast_ss(&dm[r][0]);
+      for (int m = 0; m < MT; ++m) {
+        const float* xb = x + m * K + b * kBlock;
+        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
+        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
+        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
+        acc[r][m] = _mm256_fmadd_ps(t, d, acc[r][m]);
+        if constexpr (Ints<QT>::kMin) macc[r][m] += dm[r][1] * sums[m * nb + b];
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) out[m * N + n + r] = hsum8(acc[r][m]) + macc[r][m];
+}
+
+template <int64_t QT, int MT>
+void rows_range_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                         int64_t n1, float* out, int64_t N) {
+  constexpr int NR = MT == 1 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) rows_factored<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
+  for (; n < n1; ++n) rows_factored<QT, MT, 1>(x, sums, K, w, row_bytes, n, out, N);
+}
+// Every decode-sized batch, four rows of x at a time (W's range re-read from L1/L2 per group): the
+// buffered path (dot_rows on 16-float vectors) spills on AVX2 and measured 11x slower at 8 rows.
+constexpr int64_t kFactoredRows = kGemmRows - 1;
 #define PAGEDSERVE_FACTORED 1
 #else
 #define PAGEDSERVE_FACTORED 0
@@ -417,7 +587,7 @@ void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_by
   std::vector<float> sums;
 #if PAGEDSERVE_FACTORED
   if constexpr (kFactored<QT>) {
-    if (M <= 4 && Ints<QT>::kMin) {
+    if (M <= kFactoredRows && Ints<QT>::kMin) {
       const int64_t nb = K / kBlock;
       sums.resize(M * nb);
       for (int64_t m = 0; m < M; ++m)
@@ -431,12 +601,20 @@ void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_by
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #if PAGEDSERVE_FACTORED
     if constexpr (kFactored<QT>) {
-      switch (M) {
-        case 1: rows_range_factored<QT, 1>(x, sums.data(), K, w, row_bytes, n0, n1, out, N); return;
-        case 2: rows_range_factored<QT, 2>(x, sums.data(), K, w, row_bytes, n0, n1, out, N); return;
-        case 3: rows_range_factored<QT, 3>(x, sums.data(), K, w, row_bytes, n0, n1, out, N); return;
-        case 4: rows_range_factored<QT, 4>(x, sums.data(), K, w, row_bytes, n0, n1, out, N); return;
-        default: break;
+      if (M <= kFactoredRows) {  // up to four rows of x per pass over this range of W
+        const int64_t nb = K / kBlock;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const float* xm = x + m0 * K;
+          const float* sm = sums.empty() ? nullptr : sums.data() + m0 * nb;
+          float* om = out + m0 * N;
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 1: rows_range_factored<QT, 1>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
+            case 2: rows_range_factored<QT, 2>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
+            case 3: rows_range_factored<QT, 3>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
+            default: rows_range_factored<QT, 4>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
+          }
+        }
+        return;
       }
     }
 #endif
@@ -518,6 +696,23 @@ inline void dequant_row_to(const uint8_t* row, int64_t nb, T* dst) {
       }
       const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
       std::memcpy(dst + b * kBlock, &packed, sizeof(packed));
+    }
+    return;
+  }
+#elif PAGEDSERVE_FACTORED
+  // AVX2: the 32-element types into float32 (the dtype these machines run) from Ints<QT> and the block's
+  // scales, the same multiply-add as Block<QT>::dequant, eight floats a register.
+  if constexpr (kFactored<QT> && std::is_same_v<T, float>) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * Block<QT>::kBytes;
+      int32_t scales;  // d (and m) as float16
+      std::memcpy(&scales, blk, 4);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));
+      const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+      __m256 v[4];
+      Ints<QT>::get(blk, v);
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(dst + b * kBlock + 8 * i, Ints<QT>::kMin ? _mm256_fmadd_ps(v[i], d, m) : _mm256_mul_ps(v[i], d));
     }
     return;
   }

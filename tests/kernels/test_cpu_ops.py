@@ -56,6 +56,26 @@ def test_build_directory_is_keyed_by_the_torch_installation_and_the_compiler(mon
     assert build.build_directory() == here  # and back: nothing else feeds the key
 
 
+def test_cpu_march_names_the_compile_target_and_keys_the_build(monkeypatch, tmp_path):
+    """PAGEDSERVE_CPU_MARCH: -march=native unless it names another target; each target its own build
+    directory (a portable AVX2 build never loads as the native one); a malformed value is refused by name."""
+    from pagedserve.kernels.cpu import build
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(build.MARCH_ENV, raising=False)
+    assert build.compile_flags() == [*build.CFLAGS, "-march=native"]
+    native = build.build_directory()
+    monkeypatch.setenv(build.MARCH_ENV, " x86-64-v3 ")
+    assert build.compile_flags()[-1] == "-march=x86-64-v3"
+    assert build.build_directory() != native
+    monkeypatch.setenv(build.MARCH_ENV, "")
+    assert build.build_directory() == native
+    for bad in ("native -O0", "-mavx2", "skylake;rm"):
+        monkeypatch.setenv(build.MARCH_ENV, bad)
+        with pytest.raises(ValueError, match=build.MARCH_ENV):
+            build.compile_flags()
+
+
 def test_build_lock_outlives_a_killed_build(tmp_path):
     """A build killed while it held the lock (its process gone, torch's lock file left in the directory)
     blocks nobody: the OS releases our lock with the process, and the leftover torch lock is removed."""
@@ -268,12 +288,14 @@ print(cpu_ops_available(), cpu_ops_error(), float(out.abs().sum()) > 0)
 """
 
 
-@pytest.mark.parametrize("how", ["switched off", "build fails"])
+@pytest.mark.parametrize("how", ["switched off", "build fails", "malformed march"])
 def test_falls_back_to_torch_twin(tmp_path, how):
     env = dict(os.environ, PAGEDSERVE_CACHE_DIR=str(tmp_path))
     script = FALLBACK_SCRIPT
     if how == "switched off":
         env["PAGEDSERVE_CPU_OPS"] = "0"
+    elif how == "malformed march":
+        env["PAGEDSERVE_CPU_MARCH"] = "native -O0"
     else:  # a compile error stands for any failed build (no compiler, no ninja)
         script = "import pagedserve.kernels.cpu.build as b; b.CFLAGS = b.CFLAGS + ['-DPAGEDSERVE_NO_SUCH_HEADER', " \
                  "'-include', 'no/such/header.h']\n" + script
@@ -284,6 +306,8 @@ def test_falls_back_to_torch_twin(tmp_path, how):
     assert ok == "False" and nonzero == "True"
     if how == "switched off":
         assert "PAGEDSERVE_CPU_OPS" in result.stdout
+    elif how == "malformed march":
+        assert "PAGEDSERVE_CPU_MARCH" in result.stderr and "CPU ops unavailable" in result.stderr
     else:
         assert "CPU ops unavailable" in result.stderr
 
