@@ -317,7 +317,289 @@ inline void dequant_row(const uint8_t* row, int64_t K, float* dst) {
 // a block costs one scale multiply instead of dequantizing every element (two multiply-adds per 16), and
 // sum(x) per block is computed once per call. The scales go through memory so the multiply broadcasts
 // them from there (no shuffle-port broadcast per block): this loop is bound by that port otherwise.
-// AVX-512 here, AVX2 below; on other targets every type takes rows_range.
+// AVX-512 here; AVX2 (avx2::, below) on targets without it; elsewhere every type takes rows_range.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 machines (no AVX-512): the factored loop on 8-float registers, for the 32-element types and the
+// K-quants alike. A row is walked in 32-element sub-blocks (one per block of the simple types, eight per
+// K-quant super-block), each as four registers of integers (elements 0-7, 8-15, 16-23, 24-31) with a
+// scale per 16 elements (the same two for all but Q6_K) and a min per 32 (w = scale * i + min; zero for
+// the types without one). The generic 16-float code (rows_range) compiles to twice the instructions there
+// and spills its accumulators; this runs the decode GEMVs at the weights' streaming speed.
+// AVX-512 builds take its K-quant loop too (their own paths cover the 32-element types only).
+namespace avx2 {
+
+template <int64_t QT>
+struct Ints;
+
+inline __m256i bytes8_u32(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 nibbles_lo(__m256i q) { return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))); }
+inline __m256 nibbles_hi(__m256i q) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)); }
+// Q5: the fifth bits of elements [first, first + 8) from the little-endian word at p, as 0 or 16.
+inline __m256i high_bits8(const uint8_t* p, int first) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
+  const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh)), shifts),
+                                       _mm256_set1_epi32(1));
+  return _mm256_slli_epi32(bit, 4);
+}
+// Q5's integers: (nibble | fifth bit) - offset for the eight elements from `first`.
+inline __m256 five_bits(__m256i nibbles, const uint8_t* qh, int first, int offset) {
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(nibbles, high_bits8(qh, first)), _mm256_set1_epi32(offset)));
+}
+// The bits [shift, shift + width) of eight bytes, as 32-bit integers.
+inline __m256i bit_field8(const uint8_t* p, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi32(bytes8_u32(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
+}
+
+// The simple types: one sub-block per block, d and m as float16 at its start.
+template <bool Min>
+inline void header_scales(const uint8_t* b, float* scale, float* min) {
+  int32_t scales;  // d (and m) as float16
+  std::memcpy(&scales, b, 4);
+  alignas(16) float dm[4];
+  _mm_store_ps(dm, _mm_cvtph_ps(_mm_cvtsi32_si128(scales)));
+  scale[0] = scale[1] = dm[0];
+  min[0] = Min ? dm[1] : 0.f;
+}
+
+template <>
+struct Ints<Q4_0> {
+  static constexpr bool kMin = false;
+  static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<false>(b, scale, min); }
+  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
+    const __m256i q0 = bytes8_u32(b + 2), q1 = bytes8_u32(b + 10);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    v[0] = _mm256_sub_ps(nibbles_lo(q0), eight);
+    v[1] = _mm256_sub_ps(nibbles_lo(q1), eight);
+    v[2] = _mm256_sub_ps(nibbles_hi(q0), eight);
+    v[3] = _mm256_sub_ps(nibbles_hi(q1), eight);
+  }
+};
+
+template <>
+struct Ints<Q4_1> {
+  static constexpr bool kMin = true;
+  static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<true>(b, scale, min); }
+  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
+    const __m256i q0 = bytes8_u32(b + 4), q1 = bytes8_u32(b + 12);
+    v[0] = nibbles_lo(q0);
+    v[1] = nibbles_lo(q1);
+    v[2] = nibbles_hi(q0);
+    v[3] = nibbles_hi(q1);
+  }
+};
+
+template <>
+struct Ints<Q5_0> {
+  static constexpr bool kMin = false;
+  static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<false>(b, scale, min); }
+  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
+    const __m256i q0 = bytes8_u32(b + 6), q1 = bytes8_u32(b + 14), mask = _mm256_set1_epi32(0x0F);
+    v[0] = five_bits(_mm256_and_si256(q0, mask), b + 2, 0, 16);
+    v[1] = five_bits(_mm256_and_si256(q1, mask), b + 2, 8, 16);
+    v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + 2, 16, 16);
+    v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + 2, 24, 16);
+  }
+};
+
+template <>
+struct Ints<Q5_1> {
+  static constexpr bool kMin = true;
+  static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<true>(b, scale, min); }
+  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
+    const __m256i q0 = bytes8_u32(b + 8), q1 = bytes8_u32(b + 16), mask = _mm256_set1_epi32(0x0F);
+    v[0] = five_bits(_mm256_and_si256(q0, mask), b + 4, 0, 0);
+    v[1] = five_bits(_mm256_and_si256(q1, mask), b + 4, 8, 0);
+    v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + 4, 16, 0);
+    v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + 4, 24, 0);
+  }
+};
+
+template <>
+struct Ints<Q8_0> {
+  static constexpr bool kMin = false;
+  static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<false>(b, scale, min); }
+  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
+  }
+};
+
+// Q4_K / Q5_K: sub-block i's scale d * sc_i and min -dmin * mn_i (Block<Q4_K>: w = d * sc * q - dmin * mn).
+inline void k4_scales(const uint8_t* b, float* scale, float* min) {
+  const float d = f16(b), dmin = f16(b + 2);
+  for (int64_t i = 0; i < 8; ++i) {
+    float sc, mn;
+    scale_min_k4(b + 4, i, sc, mn);
+    scale[2 * i] = scale[2 * i + 1] = d * sc;
+    min[i] = -(dmin * mn);
+  }
+}
+
+template <>
+struct Ints<Q4_K> {
+  static constexpr bool kMin = true;
+  static inline void scales(const uint8_t* b, float* scale, float* min) { k4_scales(b, scale, min); }
+  static inline void get(const uint8_t* b, int64_t i, __m256 v[4]) {
+    const uint8_t* q = b + 16 + 32 * (i / 2);
+    const int shift = static_cast<int>(4 * (i % 2));
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtepi32_ps(bit_field8(q + 8 * j, shift, 0x0F));
+  }
+};
+
+template <>
+struct Ints<Q5_K> {
+  static constexpr bool kMin = true;
+  static inline void scales(const uint8_t* b, float* scale, float* min) { k4_scales(b, scale, min); }
+  static inline void get(const uint8_t* b, int64_t i, __m256 v[4]) {
+    const uint8_t* q = b + 48 + 32 * (i / 2);
+    const int shift = static_cast<int>(4 * (i % 2)), bit = static_cast<int>(i);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i high = _mm256_slli_epi32(bit_field8(b + 16 + 8 * j, bit, 1), 4);
+      v[j] = _mm256_cvtepi32_ps(_mm256_or_si256(bit_field8(q + 8 * j, shift, 0x0F), high));
+    }
+  }
+};
+
+template <>
+struct Ints<Q6_K> {
+  static constexpr bool kMin = false;
+  static inline void scales(const uint8_t* b, float* scale, float* min) {  // one scale per 16 elements
+    const float d = f16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int64_t i = 0; i < 16; ++i) scale[i] = d * sc[i];
+    for (int64_t i = 0; i < 8; ++i) min[i] = 0.f;
+  }
+  static inline void get(const uint8_t* b, int64_t i, __m256 v[4]) {
+    const int64_t half = i / 4, k = i % 4;
+    const uint8_t* ql = b + 64 * half + 32 * (k % 2);
+    const uint8_t* qh = b + 128 + 32 * half;
+    const int lshift = static_cast<int>(4 * (k / 2)), hshift = static_cast<int>(2 * k);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i q = _mm256_or_si256(bit_field8(ql + 8 * j, lshift, 0x0F),
+                                        _mm256_slli_epi32(bit_field8(qh + 8 * j, hshift, 3), 4));
+      v[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32)));
+    }
+  }
+};
+
+template <int64_t QT>
+constexpr bool kFactored = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 || QT == Q4_K ||
+                           QT == Q5_K || QT == Q6_K;
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// As the AVX-512 rows_factored: out[m, n .. n + NR) for MT rows of x, the block's integers taken once per
+// W row and multiplied into every row of x (x read from memory by the multiply-adds: 16 registers);
+// sums[m * nb + b] = sum of x row m over block b (types with a min). The 32-element types.
+template <int64_t QT, int MT, int NR>
+inline void rows_factored_blocks(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes,
+                                 int64_t n, float* out, int64_t N) {
+  const int64_t nb = K / kBlock;
+  constexpr int64_t kBytes = Block<QT>::kBytes;
+  __m256 acc[NR][MT];
+  float macc[NR][MT] = {};
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  alignas(16) float dm[NR][4];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
+      if ((b * kBytes) / 64 != ((b + 1) * kBytes) / 64)  // the row group after next (see the AVX-512 loop)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * NR * row_bytes), _MM_HINT_T0);
+      int32_t scales;  // d (and m) as float16
+      std::memcpy(&scales, blk, 4);
+      _mm_store_ps(dm[r], _mm_cvtph_ps(_mm_cvtsi32_si128(scales)));
+      __m256 v[4];
+      Ints<QT>::get(blk, 0, v);
+      const __m256 d = _mm256_broadcast_ss(&dm[r][0]);
+      for (int m = 0; m < MT; ++m) {
+        const float* xb = x + m * K + b * kBlock;
+        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
+        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
+        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
+        acc[r][m] = _mm256_fmadd_ps(t, d, acc[r][m]);
+        if constexpr (Ints<QT>::kMin) macc[r][m] += dm[r][1] * sums[m * nb + b];
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) out[m * N + n + r] = hsum8(acc[r][m]) + macc[r][m];
+}
+
+// The K-quants: a super-block's scales and mins decoded once per W row, then its eight sub-blocks as above
+// (Q6_K: a scale per 16 elements, so two partial sums per sub-block).
+template <int64_t QT, int MT, int NR>
+inline void rows_factored_superblocks(const float* x, const float* sums, int64_t K, const uint8_t* w,
+                                      int64_t row_bytes, int64_t n, float* out, int64_t N) {
+  constexpr int64_t kBytes = Block<QT>::kBytes, kSub = Block<QT>::kElements / kBlock;
+  const int64_t nblocks = K / Block<QT>::kElements, nb = K / kBlock;
+  __m256 acc[NR][MT];
+  float macc[NR][MT] = {};
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  alignas(32) float scale[2 * kSub], min[kSub];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
+      for (int64_t line = 0; line < kBytes; line += 64)  // the row group after next, a super-block at a time
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * NR * row_bytes + line), _MM_HINT_T0);
+      Ints<QT>::scales(blk, scale, min);
+      for (int64_t i = 0; i < kSub; ++i) {
+        __m256 v[4];
+        Ints<QT>::get(blk, i, v);
+        const __m256 d0 = _mm256_broadcast_ss(&scale[2 * i]), d1 = _mm256_broadcast_ss(&scale[2 * i + 1]);
+        for (int m = 0; m < MT; ++m) {
+          const float* xb = x + m * K + (b * kSub + i) * kBlock;
+          __m256 t0 = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+          t0 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t0);
+          if constexpr (QT == Q6_K) {
+            __m256 t1 = _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16));
+            t1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t1);
+            acc[r][m] = _mm256_fmadd_ps(t1, d1, _mm256_fmadd_ps(t0, d0, acc[r][m]));
+          } else {
+            t0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t0);
+            t0 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t0);
+            acc[r][m] = _mm256_fmadd_ps(t0, d0, acc[r][m]);
+          }
+          if constexpr (Ints<QT>::kMin) macc[r][m] += min[i] * sums[m * nb + b * kSub + i];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) out[m * N + n + r] = hsum8(acc[r][m]) + macc[r][m];
+}
+
+template <int64_t QT, int MT, int NR>
+inline void rows_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n,
+                          float* out, int64_t N) {
+  if constexpr (Block<QT>::kElements == kBlock) rows_factored_blocks<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
+  else rows_factored_superblocks<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
+}
+
+template <int64_t QT, int MT>
+void rows_range_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                         int64_t n1, float* out, int64_t N) {
+  constexpr int NR = MT == 1 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) rows_factored<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
+  for (; n < n1; ++n) rows_factored<QT, MT, 1>(x, sums, K, w, row_bytes, n, out, N);
+}
+}  // namespace avx2
+#define PAGEDSERVE_AVX2 1
+#else
+#define PAGEDSERVE_AVX2 0
+#endif
+
 #if defined(__AVX512F__)
 template <int64_t QT>
 struct Ints;
@@ -428,155 +710,24 @@ void rows_range_factored(const float* x, const float* sums, int64_t K, const uin
   for (; n + NR <= n1; n += NR) rows_factored<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
   for (; n < n1; ++n) rows_factored<QT, MT, 1>(x, sums, K, w, row_bytes, n, out, N);
 }
-// Rows of x the factored loop takes (more: each W row dequantized once into a buffer, dot_rows).
-constexpr int64_t kFactoredRows = 4;
-#define PAGEDSERVE_FACTORED 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// AVX2 machines (no AVX-512): the same factored loop on 8-float registers, a block as four of them
-// (elements 0-7, 8-15, 16-23, 24-31). The generic 16-float code (rows_range) compiles to twice the
-// instructions there and spills its accumulators; this runs the default model's decode GEMVs at the
-// weights' streaming speed.
-template <int64_t QT>
-struct Ints;
-
-inline __m256i bytes8_u32(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 nibbles_lo(__m256i q) { return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))); }
-inline __m256 nibbles_hi(__m256i q) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)); }
-// Q5: the fifth bits of elements [first, first + 8) from the little-endian word at p, as 0 or 16.
-inline __m256i high_bits8(const uint8_t* p, int first) {
-  uint32_t qh;
-  std::memcpy(&qh, p, 4);
-  const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
-  const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh)), shifts),
-                                       _mm256_set1_epi32(1));
-  return _mm256_slli_epi32(bit, 4);
-}
-// Q5's integers: (nibble | fifth bit) - offset for the eight elements from `first`.
-inline __m256 five_bits(__m256i nibbles, const uint8_t* qh, int first, int offset) {
-  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(nibbles, high_bits8(qh, first)), _mm256_set1_epi32(offset)));
-}
-
-template <>
-struct Ints<Q4_0> {
-  static constexpr bool kMin = false;
-  static inline void get(const uint8_t* b, __m256 v[4]) {
-    const __m256i q0 = bytes8_u32(b + 2), q1 = bytes8_u32(b + 10);
-    const __m256 eight = _mm256_set1_ps(8.f);
-    v[0] = _mm256_sub_ps(nibbles_lo(q0), eight);
-    v[1] = _mm256_sub_ps(nibbles_lo(q1), eight);
-    v[2] = _mm256_sub_ps(nibbles_hi(q0), eight);
-    v[3] = _mm256_sub_ps(nibbles_hi(q1), eight);
-  }
-};
-
-template <>
-struct Ints<Q4_1> {
-  static constexpr bool kMin = true;
-  static inline void get(const uint8_t* b, __m256 v[4]) {
-    const __m256i q0 = bytes8_u32(b + 4), q1 = bytes8_u32(b + 12);
-    v[0] = nibbles_lo(q0);
-    v[1] = nibbles_lo(q1);
-    v[2] = nibbles_hi(q0);
-    v[3] = nibbles_hi(q1);
-  }
-};
-
-template <>
-struct Ints<Q5_0> {
-  static constexpr bool kMin = false;
-  static inline void get(const uint8_t* b, __m256 v[4]) {
-    const __m256i q0 = bytes8_u32(b + 6), q1 = bytes8_u32(b + 14), mask = _mm256_set1_epi32(0x0F);
-    v[0] = five_bits(_mm256_and_si256(q0, mask), b + 2, 0, 16);
-    v[1] = five_bits(_mm256_and_si256(q1, mask), b + 2, 8, 16);
-    v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + 2, 16, 16);
-    v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + 2, 24, 16);
-  }
-};
-
-template <>
-struct Ints<Q5_1> {
-  static constexpr bool kMin = true;
-  static inline void get(const uint8_t* b, __m256 v[4]) {
-    const __m256i q0 = bytes8_u32(b + 8), q1 = bytes8_u32(b + 16), mask = _mm256_set1_epi32(0x0F);
-    v[0] = five_bits(_mm256_and_si256(q0, mask), b + 4, 0, 0);
-    v[1] = five_bits(_mm256_and_si256(q1, mask), b + 4, 8, 0);
-    v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + 4, 16, 0);
-    v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + 4, 24, 0);
-  }
-};
-
-template <>
-struct Ints<Q8_0> {
-  static constexpr bool kMin = false;
-  static inline void get(const uint8_t* b, __m256 v[4]) {
-    for (int i = 0; i < 4; ++i)
-      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
-  }
-};
-
-template <int64_t QT>
-constexpr bool kFactored = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0;
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// As the AVX-512 rows_factored: out[m, n .. n + NR) for MT rows of x, the block's integers taken once per
-// W row and multiplied into every row of x (x read from memory by the multiply-adds: 16 registers).
-template <int64_t QT, int MT, int NR>
-inline void rows_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n,
-                          float* out, int64_t N) {
-  const int64_t nb = K / kBlock;
-  constexpr int64_t kBytes = Block<QT>::kBytes;
-  __m256 acc[NR][MT];
-  float macc[NR][MT] = {};
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-  alignas(16) float dm[NR][4];
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
-      if ((b * kBytes) / 64 != ((b + 1) * kBytes) / 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * NR * row_bytes), _MM_HINT_T0);
-      int32_t scales;  // d (and m) as float16
-      std::memcpy(&scales, blk, 4);
-      _mm_store_ps(dm[r], _mm_cvtph_ps(_mm_cvtsi32_si128(scales)));
-      __m256 v[4];
-      Ints<QT>::get(blk, v);
-      const __m256 d = _mm256_broadcast_ss(&dm[r][0]);
-      for (int m = 0; m < MT; ++m) {
-        const float* xb = x + m * K + b * kBlock;
-        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
-        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
-        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
-        acc[r][m] = _mm256_fmadd_ps(t, d, acc[r][m]);
-        if constexpr (Ints<QT>::kMin) macc[r][m] += dm[r][1] * sums[m * nb + b];
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) out[m * N + n + r] = hsum8(acc[r][m]) + macc[r][m];
-}
-
-template <int64_t QT, int MT>
-void rows_range_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
-                         int64_t n1, float* out, int64_t N) {
-  constexpr int NR = MT == 1 ? 4 : 2;
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) rows_factored<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
-  for (; n < n1; ++n) rows_factored<QT, MT, 1>(x, sums, K, w, row_bytes, n, out, N);
-}
-// Every decode-sized batch, four rows of x at a time (W's range re-read from L1/L2 per group): the
-// buffered path (dot_rows on 16-float vectors) spills on AVX2 and measured 11x slower at 8 rows.
-constexpr int64_t kFactoredRows = kGemmRows - 1;
 #define PAGEDSERVE_FACTORED 1
 #else
 #define PAGEDSERVE_FACTORED 0
+#endif
+
+#if PAGEDSERVE_AVX2
+// Whether avx2:: takes a decode batch of M rows of this type. AVX2 builds: every batch of every type, four
+// rows of x at a time (W's range re-read from L1/L2 per group; the buffered path, dot_rows on 16-float
+// vectors, spills there and measured 11x slower at 8 rows). AVX-512 builds: the K-quants up to four rows
+// (their generic loop ran at half the speed; the 32-element types have the AVX-512 loop).
+template <int64_t QT>
+constexpr bool avx2_gemv(int64_t M) {
+#if defined(__AVX512F__)
+  return avx2::kFactored<QT> && Block<QT>::kElements > kBlock && M <= 4;
+#else
+  return avx2::kFactored<QT> && M < kGemmRows;
+#endif
+}
 #endif
 
 // Decode-sized batches: x float [M, K] (M < kGemmRows) -> out float [M, N].
@@ -584,37 +735,53 @@ template <int64_t QT>
 void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out) {
   const int64_t work = M * N * K;
   const int64_t grain = work < kInlineWork ? N : std::max<int64_t>(4, N / (8 * at::get_num_threads()));
-  std::vector<float> sums;
-#if PAGEDSERVE_FACTORED
+  const int64_t nb = K / kBlock;
+  std::vector<float> sums;  // per row of x and 32-element block, for the factored loops of types with a min
+  auto block_sums = [&] {
+    sums.resize(M * nb);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        vec16 v = load16(x + m * K + b * kBlock) + load16(x + m * K + b * kBlock + 16);
+        sums[m * nb + b] = hsum(v);
+      }
+  };
+#if PAGEDSERVE_AVX2
+  if constexpr (avx2::kFactored<QT>) {
+    if (avx2_gemv<QT>(M) && avx2::Ints<QT>::kMin) block_sums();
+  }
+#endif
+#if PAGEDSERVE_FACTORED && defined(__AVX512F__)
   if constexpr (kFactored<QT>) {
-    if (M <= kFactoredRows && Ints<QT>::kMin) {
-      const int64_t nb = K / kBlock;
-      sums.resize(M * nb);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t b = 0; b < nb; ++b) {
-          vec16 v = load16(x + m * K + b * kBlock) + load16(x + m * K + b * kBlock + 16);
-          sums[m * nb + b] = hsum(v);
-        }
-    }
+    if (M <= 4 && Ints<QT>::kMin) block_sums();
   }
 #endif
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-#if PAGEDSERVE_FACTORED
-    if constexpr (kFactored<QT>) {
-      if (M <= kFactoredRows) {  // up to four rows of x per pass over this range of W
-        const int64_t nb = K / kBlock;
+#if PAGEDSERVE_AVX2
+    if constexpr (avx2::kFactored<QT>) {
+      if (avx2_gemv<QT>(M)) {  // up to four rows of x per pass over this range of W
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           const float* xm = x + m0 * K;
           const float* sm = sums.empty() ? nullptr : sums.data() + m0 * nb;
           float* om = out + m0 * N;
           switch (std::min<int64_t>(4, M - m0)) {
-            case 1: rows_range_factored<QT, 1>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
-            case 2: rows_range_factored<QT, 2>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
-            case 3: rows_range_factored<QT, 3>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
-            default: rows_range_factored<QT, 4>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
+            case 1: avx2::rows_range_factored<QT, 1>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
+            case 2: avx2::rows_range_factored<QT, 2>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
+            case 3: avx2::rows_range_factored<QT, 3>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
+            default: avx2::rows_range_factored<QT, 4>(xm, sm, K, w, row_bytes, n0, n1, om, N); break;
           }
         }
         return;
+      }
+    }
+#endif
+#if PAGEDSERVE_FACTORED && defined(__AVX512F__)
+    if constexpr (kFactored<QT>) {
+      switch (M) {
+        case 1: rows_range_factored<QT, 1>(x, sums.data(), K, w, row_bytes, n0, n1, out, N); return;
+        case 2: rows_range_factored<QT, 2>(x, sums.data(), K, w, row_bytes, n0, n1, out, N); return;
+        case 3: rows_range_factored<QT, 3>(x, sums.data(), K, w, row_bytes, n0, n1, out, N); return;
+        case 4: rows_range_factored<QT, 4>(x, sums.data(), K, w, row_bytes, n0, n1, out, N); return;
+        default: break;
       }
     }
 #endif
@@ -699,20 +866,32 @@ inline void dequant_row_to(const uint8_t* row, int64_t nb, T* dst) {
     }
     return;
   }
-#elif PAGEDSERVE_FACTORED
-  // AVX2: the 32-element types into float32 (the dtype these machines run) from Ints<QT> and the block's
-  // scales, the same multiply-add as Block<QT>::dequant, eight floats a register.
-  if constexpr (kFactored<QT> && std::is_same_v<T, float>) {
-    for (int64_t b = 0; b < nb; ++b) {
+#endif
+#if PAGEDSERVE_AVX2
+  // Into float32 (the dtype AVX2 machines run) from avx2::Ints<QT> and the scales, the same multiply-add as
+  // Block<QT>::dequant, eight floats a register: every type on AVX2 builds, the K-quants on AVX-512 ones.
+#if defined(__AVX512F__)
+  constexpr bool kAvx2Dequant = avx2::kFactored<QT> && Block<QT>::kElements > kBlock;
+#else
+  constexpr bool kAvx2Dequant = avx2::kFactored<QT>;
+#endif
+  if constexpr (kAvx2Dequant && std::is_same_v<T, float>) {
+    using avx2::Ints;
+    constexpr int64_t kSub = Block<QT>::kElements / kBlock;
+    alignas(32) float scale[2 * kSub], min[kSub];
+    for (int64_t b = 0; b < nb / kSub; ++b) {
       const uint8_t* blk = row + b * Block<QT>::kBytes;
-      int32_t scales;  // d (and m) as float16
-      std::memcpy(&scales, blk, 4);
-      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));
-      const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-      __m256 v[4];
-      Ints<QT>::get(blk, v);
-      for (int i = 0; i < 4; ++i)
-        _mm256_storeu_ps(dst + b * kBlock + 8 * i, Ints<QT>::kMin ? _mm256_fmadd_ps(v[i], d, m) : _mm256_mul_ps(v[i], d));
+      Ints<QT>::scales(blk, scale, min);
+      for (int64_t i = 0; i < kSub; ++i) {
+        __m256 v[4];
+        Ints<QT>::get(blk, i, v);
+        const __m256 m = _mm256_broadcast_ss(&min[i]);
+        float* out = dst + (b * kSub + i) * kBlock;
+        for (int j = 0; j < 4; ++j) {
+          const __m256 d = _mm256_broadcast_ss(&scale[2 * i + j / 2]);
+          _mm256_storeu_ps(out + 8 * j, Ints<QT>::kMin ? _mm256_fmadd_ps(v[j], d, m) : _mm256_mul_ps(v[j], d));
+        }
+      }
     }
     return;
   }
