@@ -365,64 +365,62 @@ inline void header_scales(const uint8_t* b, float* scale, float* min) {
   min[0] = Min ? dm[1] : 0.f;
 }
 
+// Q4_0 / Q4_1: 16 bytes of nibbles from byte Qs (low nibbles elements 0-15, high ones 16-31), minus Offset.
+template <int64_t Qs, int Offset>
+inline void q4_ints(const uint8_t* b, __m256 v[4]) {
+  const __m256i q0 = bytes8_u32(b + Qs), q1 = bytes8_u32(b + Qs + 8);
+  v[0] = nibbles_lo(q0);
+  v[1] = nibbles_lo(q1);
+  v[2] = nibbles_hi(q0);
+  v[3] = nibbles_hi(q1);
+  if constexpr (Offset != 0)
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_sub_ps(v[i], _mm256_set1_ps(static_cast<float>(Offset)));
+}
+
+// Q5_0 / Q5_1: the same nibbles from byte Qs with their fifth bits from the word at byte Qh, minus Offset.
+template <int64_t Qs, int64_t Qh, int Offset>
+inline void q5_ints(const uint8_t* b, __m256 v[4]) {
+  const __m256i q0 = bytes8_u32(b + Qs), q1 = bytes8_u32(b + Qs + 8), mask = _mm256_set1_epi32(0x0F);
+  v[0] = five_bits(_mm256_and_si256(q0, mask), b + Qh, 0, Offset);
+  v[1] = five_bits(_mm256_and_si256(q1, mask), b + Qh, 8, Offset);
+  v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + Qh, 16, Offset);
+  v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + Qh, 24, Offset);
+}
+
+// The simple types: one sub-block per block (the sub-block index is unused).
 template <>
 struct Ints<Q4_0> {
   static constexpr bool kMin = false;
   static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<false>(b, scale, min); }
-  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
-    const __m256i q0 = bytes8_u32(b + 2), q1 = bytes8_u32(b + 10);
-    const __m256 eight = _mm256_set1_ps(8.f);
-    v[0] = _mm256_sub_ps(nibbles_lo(q0), eight);
-    v[1] = _mm256_sub_ps(nibbles_lo(q1), eight);
-    v[2] = _mm256_sub_ps(nibbles_hi(q0), eight);
-    v[3] = _mm256_sub_ps(nibbles_hi(q1), eight);
-  }
+  static inline void get(const uint8_t* b, int64_t, __m256 v[4]) { q4_ints<2, 8>(b, v); }
 };
 
 template <>
 struct Ints<Q4_1> {
   static constexpr bool kMin = true;
   static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<true>(b, scale, min); }
-  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
-    const __m256i q0 = bytes8_u32(b + 4), q1 = bytes8_u32(b + 12);
-    v[0] = nibbles_lo(q0);
-    v[1] = nibbles_lo(q1);
-    v[2] = nibbles_hi(q0);
-    v[3] = nibbles_hi(q1);
-  }
+  static inline void get(const uint8_t* b, int64_t, __m256 v[4]) { q4_ints<4, 0>(b, v); }
 };
 
 template <>
 struct Ints<Q5_0> {
   static constexpr bool kMin = false;
   static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<false>(b, scale, min); }
-  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
-    const __m256i q0 = bytes8_u32(b + 6), q1 = bytes8_u32(b + 14), mask = _mm256_set1_epi32(0x0F);
-    v[0] = five_bits(_mm256_and_si256(q0, mask), b + 2, 0, 16);
-    v[1] = five_bits(_mm256_and_si256(q1, mask), b + 2, 8, 16);
-    v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + 2, 16, 16);
-    v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + 2, 24, 16);
-  }
+  static inline void get(const uint8_t* b, int64_t, __m256 v[4]) { q5_ints<6, 2, 16>(b, v); }
 };
 
 template <>
 struct Ints<Q5_1> {
   static constexpr bool kMin = true;
   static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<true>(b, scale, min); }
-  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
-    const __m256i q0 = bytes8_u32(b + 8), q1 = bytes8_u32(b + 16), mask = _mm256_set1_epi32(0x0F);
-    v[0] = five_bits(_mm256_and_si256(q0, mask), b + 4, 0, 0);
-    v[1] = five_bits(_mm256_and_si256(q1, mask), b + 4, 8, 0);
-    v[2] = five_bits(_mm256_srli_epi32(q0, 4), b + 4, 16, 0);
-    v[3] = five_bits(_mm256_srli_epi32(q1, 4), b + 4, 24, 0);
-  }
+  static inline void get(const uint8_t* b, int64_t, __m256 v[4]) { q5_ints<8, 4, 0>(b, v); }
 };
 
 template <>
 struct Ints<Q8_0> {
   static constexpr bool kMin = false;
   static inline void scales(const uint8_t* b, float* scale, float* min) { header_scales<false>(b, scale, min); }
-  static inline void get(const uint8_t* b, int64_t /*sub-block*/, __m256 v[4]) {
+  static inline void get(const uint8_t* b, int64_t, __m256 v[4]) {
     for (int i = 0; i < 4; ++i)
       v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
   }
