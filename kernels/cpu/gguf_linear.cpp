@@ -864,6 +864,34 @@ inline void dequant_row_to(const uint8_t* row, int64_t nb, T* dst) {
     }
     return;
   }
+#if PAGEDSERVE_AVX2
+  // The K-quants into bf16 alike: a sub-block's integers and scales from avx2::Ints, 32 results rounded
+  // by one instruction.
+  if constexpr (avx2::kFactored<QT> && Block<QT>::kElements > kBlock && std::is_same_v<T, c10::BFloat16>) {
+    constexpr int64_t kSub = Block<QT>::kElements / kBlock;
+    alignas(32) float scale[2 * kSub], min[kSub];
+    for (int64_t b = 0; b < nb / kSub; ++b) {
+      const uint8_t* blk = row + b * Block<QT>::kBytes;
+      avx2::Ints<QT>::scales(blk, scale, min);
+      for (int64_t i = 0; i < kSub; ++i) {
+        __m256 v[4];
+        avx2::Ints<QT>::get(blk, i, v);
+        const __m256 m = _mm256_broadcast_ss(&min[i]);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 d = _mm256_broadcast_ss(&scale[2 * i + j / 2]);
+          v[j] = avx2::Ints<QT>::kMin ? _mm256_fmadd_ps(v[j], d, m) : _mm256_mul_ps(v[j], d);
+        }
+        auto join = [](__m256 a, __m256 b) {  // AVX-512F only (no DQ): through the 64-bit lane insert
+          return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+        };
+        const __m512 lo = join(v[0], v[1]), hi = join(v[2], v[3]);
+        const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
+        std::memcpy(dst + (b * kSub + i) * kBlock, &packed, sizeof(packed));
+      }
+    }
+    return;
+  }
+#endif
 #endif
 #if PAGEDSERVE_AVX2
   // Into float32 (the dtype AVX2 machines run) from avx2::Ints<QT> and the scales, the same multiply-add as
@@ -1111,12 +1139,10 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, int64_t N) {
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const int64_t row_bytes = weight.size(1);
 #if PAGEDSERVE_AMX
-  if constexpr (kFactored<QT>) {
-    if (M >= kAmxMinRows && M <= kAmxMaxRows && x.scalar_type() == at::kBFloat16 && amx_enabled() && amx_usable()) {
-      at::Tensor out = at::empty({M, N}, x.options());
-      amx_gemm<QT>(x, w, row_bytes, N, out);
-      return out;
-    }
+  if (M >= kAmxMinRows && M <= kAmxMaxRows && x.scalar_type() == at::kBFloat16 && amx_enabled() && amx_usable()) {
+    at::Tensor out = at::empty({M, N}, x.options());
+    amx_gemm<QT>(x, w, row_bytes, N, out);
+    return out;
   }
 #endif
   if (M >= kGemmRows) {

@@ -117,13 +117,20 @@ def test_compiled_op_on_a_model_sized_matrix_in_several_tiles(m):
 SIMPLE_QTYPES = [q for q in QTYPES if q not in K_QUANTS]
 
 
+BF16_BATCH_SHAPES = [(qtype, m, n, k) for qtype in SIMPLE_QTYPES
+                     for m, n, k in [(5, 1, 32), (16, 31, 64), (31, 33, 576), (33, 100, 1536), (64, 960, 576),
+                                     (200, 70, 96), (256, 64, 64), (257, 40, 64)]]
+# K-quants: whole 256-element super-blocks, and from 16 rows (below, CPUs without AMX take the GEMV, which
+# multiplies unrounded float32 weights)
+BF16_BATCH_SHAPES += [(qtype, m, n, k) for qtype in K_QUANTS
+                      for m, n, k in [(16, 1, 256), (31, 33, 512), (64, 96, 768), (256, 40, 256), (257, 17, 256)]]
+
+
 @pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
-@pytest.mark.parametrize("qtype", SIMPLE_QTYPES)
-@pytest.mark.parametrize("m,n,k", [(5, 1, 32), (16, 31, 64), (31, 33, 576), (33, 100, 1536), (64, 960, 576),
-                                   (200, 70, 96), (256, 64, 64), (257, 40, 64)])
+@pytest.mark.parametrize("qtype,m,n,k", BF16_BATCH_SHAPES)
 def test_compiled_op_bf16_batches_round_once_from_float32_sums(qtype, m, n, k):
-    """bf16 activations at 5-256 rows (the AMX path on CPUs that have it, the tile path elsewhere and at
-    257): the weight dequantized to bf16 (as the gguf package gives it, rounded), the products summed in
+    """bf16 activations at 5-256 rows (the AMX path on CPUs that have it, every type; the tile path elsewhere
+    and at 257): the weight dequantized to bf16 (as the gguf package gives it, rounded), the products summed in
     float32 and rounded to bf16 once. Row counts and N off the 16/32-row tiles, K from one block to 48."""
     raw, deq = quantized(qtype, n, k, seed=m + n)
     x = torch.randn(m, k).to(torch.bfloat16)
