@@ -494,6 +494,16 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// Q8_0 on AVX2: each block's integers scaled to weights (d * q, exact in float32) before the multiply-adds,
+// rather than the block's products summed and then scaled: three more multiplies a block, but no chain of
+// five dependent operations per block before the accumulator (the likely reason it is faster). On an AMD
+// Zen 3 VM (noisy: interleaved runs) the default model's 49152 x 576 LM head (Q8_0) took 1.9-2.4 ms instead
+// of 2.6-2.8 on two threads, and `bench latency` batch-1 decode 11.8-12.8 ms a token instead of 13.1-15.3.
+// The 4-bit types gained nothing from it (Q4_0) or lost a third (Q4_1, whose min adds a multiply-add per
+// eight weights): they stay factored.
+template <int64_t QT>
+constexpr bool kScaledBlocks = QT == Q8_0;
+
 // As the AVX-512 rows_factored: out[m, n .. n + NR) for MT rows of x, the block's integers taken once per
 // W row and multiplied into every row of x (x read from memory by the multiply-adds: 16 registers);
 // sums[m * nb + b] = sum of x row m over block b (types with a min). The 32-element types.
@@ -514,63 +524,37 @@ inline void rows_factored_blocks(const float* x, const float* sums, int64_t K, c
         _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * NR * row_bytes), _MM_HINT_T0);
       int32_t scales;  // d (and m) as float16
       std::memcpy(&scales, blk, 4);
-      _mm_store_ps(dm[r], _mm_cvtph_ps(_mm_cvtsi32_si128(scales)));
+      const __m128 scales_f32 = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));
       __m256 v[4];
       Ints<QT>::get(blk, 0, v);
-      const __m256 d = _mm256_broadcast_ss(&dm[r][0]);
+      __m256 d;
+      if constexpr (kScaledBlocks<QT>) {  // (d from the register: the form measured above)
+        d = _mm256_broadcastss_ps(scales_f32);
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], d);
+      } else {
+        _mm_store_ps(dm[r], scales_f32);
+        d = _mm256_broadcast_ss(&dm[r][0]);
+      }
       for (int m = 0; m < MT; ++m) {
         const float* xb = x + m * K + b * kBlock;
-        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-        t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
-        t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
-        t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
-        acc[r][m] = _mm256_fmadd_ps(t, d, acc[r][m]);
-        if constexpr (Ints<QT>::kMin) macc[r][m] += dm[r][1] * sums[m * nb + b];
+        if constexpr (kScaledBlocks<QT>) {
+          acc[r][m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), acc[r][m]);
+        } else {
+          __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+          t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
+          t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
+          t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
+          acc[r][m] = _mm256_fmadd_ps(t, d, acc[r][m]);
+          if constexpr (Ints<QT>::kMin) macc[r][m] += dm[r][1] * sums[m * nb + b];
+        }
       }
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) out[m * N + n + r] = hsum8(acc[r][m]) + macc[r][m];
-}
-
-// Q8_0 on AVX2: each block's integers scaled to weights (d * q, exact in float32) before the multiply-adds,
-// rather than the block's products summed and then scaled (rows_factored_blocks): three more multiplies a
-// block, but no chain of five dependent operations per block before the accumulator (the likely reason it
-// is faster). On an AMD Zen 3 VM (noisy: medians of interleaved runs) the default model's 49152 x 576 LM
-// head (Q8_0) took 1.9-2.4 ms instead of 2.6-2.8 on two threads, and `bench latency` batch-1 decode
-// 11.8-12.8 ms a token instead of 13.1-15.3. The 4-bit types gained nothing from it (Q4_0) or lost a third
-// (Q4_1, whose min adds a multiply-add per eight weights): they stay factored.
-template <int64_t QT, int MT, int NR>
-inline void rows_scaled_blocks(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n,
-                               float* out, int64_t N) {
-  const int64_t nb = K / kBlock;
-  constexpr int64_t kBytes = Block<QT>::kBytes;
-  __m256 acc[NR][MT];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
-      if ((b * kBytes) / 64 != ((b + 1) * kBytes) / 64)  // the row group after next (see the AVX-512 loop)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * NR * row_bytes), _MM_HINT_T0);
-      int32_t scales;  // d as float16 (and two bytes of integers, unused)
-      std::memcpy(&scales, blk, 4);
-      const __m256 d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(scales)));
-      __m256 v[4];
-      Ints<QT>::get(blk, 0, v);
-      static_assert(!Ints<QT>::kMin, "a type with a min stays factored");
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], d);
-      for (int m = 0; m < MT; ++m) {
-        const float* xb = x + m * K + b * kBlock;
-        acc[r][m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), acc[r][m]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) out[m * N + n + r] = hsum8(acc[r][m]);
 }
 
 // The K-quants: a super-block's scales and mins decoded once per W row, then its eight sub-blocks as above
@@ -622,8 +606,7 @@ inline void rows_factored_superblocks(const float* x, const float* sums, int64_t
 template <int64_t QT, int MT, int NR>
 inline void rows_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n,
                           float* out, int64_t N) {
-  if constexpr (QT == Q8_0) rows_scaled_blocks<QT, MT, NR>(x, K, w, row_bytes, n, out, N);
-  else if constexpr (Block<QT>::kElements == kBlock) rows_factored_blocks<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
+  if constexpr (Block<QT>::kElements == kBlock) rows_factored_blocks<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
   else rows_factored_superblocks<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
 }
 
