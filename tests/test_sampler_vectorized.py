@@ -181,13 +181,13 @@ def test_vectorized_sampler_equals_reference(data):
     failing_ids: set[str] = set()
     sampler.fault_injector = lambda rid: _raise_if(rid in failing_ids)
     next_id = 0
+    dropped = False  # a state was left to the garbage collector (finished without release, or failed)
     for step in range(data.draw(st.integers(1, 7), label="steps")):
         for req in data.draw(st.lists(request_st, max_size=4), label=f"new requests, step {step}"):
             rid = f"r{next_id}"
             next_id += 1
             mine, ref = make_states(req, rid)
             live[rid] = (mine, ref, 0)
-        dropped = False
         for rid in data.draw(st.lists(st.sampled_from(sorted(live)), unique=True), label="finish") if live else []:
             mine, _, _ = live.pop(rid)
             if data.draw(st.booleans(), label="released (else garbage collected)"):
@@ -196,6 +196,7 @@ def test_vectorized_sampler_equals_reference(data):
                 dropped = True
         if dropped:  # collect only when a state was left to the collector (slow in a full suite's process)
             gc.collect()
+            dropped = False
         if not live:
             continue
         # This step's batch: a random subset of the live requests, in a random order.
@@ -217,6 +218,7 @@ def test_vectorized_sampler_equals_reference(data):
             mine, ref, steps = live[rid]
             if i in errors:  # the engine finishes a failed request
                 del live[rid]
+                dropped = True
                 continue
             mine.output_token_ids.append(out.token_ids[i])
             ref.output_token_ids.append(tokens[i])
