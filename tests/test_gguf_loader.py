@@ -16,6 +16,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from pagedserve.engine.config import EngineConfig  # noqa: E402
+from pagedserve.engine.models.gguf_config import open_reader  # noqa: E402
 from pagedserve.engine.models.gguf_loader import SUPPORTED_QUANT_TYPES, find_gguf_file  # noqa: E402
 from pagedserve.engine.models.loader import load_model  # noqa: E402
 from pagedserve.engine.models.registry import get_model_class  # noqa: E402
@@ -203,6 +204,34 @@ def test_unsupported_quant_type_is_refused_by_name(tmp_path):
     hf_config = EngineConfig(model=str(path)).resolve().hf_config
     with pytest.raises(ValueError, match="quant type Q2_K"):
         load_model(str(path), hf_config, torch.float32, ParallelContext.single())
+
+
+def test_our_reader_reads_what_gguf_reads_from_the_same_map(tmp_path):
+    """open_reader reads the file through a plain view of gguf's memory map (a faster way to the same
+    bytes): every metadata field and tensor as `gguf.GGUFReader` has it, and tensor data still views the
+    file instead of a copy in memory."""
+    path = tmp_path / "vocab.gguf"
+    writer = new_writer(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"tok{i}" for i in range(VOCAB)])
+    writer.add_token_merges([f"t{i} ok{i}" for i in range(50)])
+    writer.add_token_types([1] * VOCAB)
+    writer.add_tensor("token_embd.weight", np.arange(VOCAB * HIDDEN, dtype=np.float32).reshape(VOCAB, HIDDEN))
+    q = gguf.quants.quantize(np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64),
+                             gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_q.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    finish(writer)
+    ours, theirs = open_reader(path), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) == VOCAB
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        np.testing.assert_array_equal(mine.data, reference.data)
+        assert not mine.data.flags.owndata  # a view of the map: nothing read into memory
+    assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
 
 
 def test_model_path_resolution(tmp_path):

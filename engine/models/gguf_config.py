@@ -24,12 +24,33 @@ PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 
 def open_reader(path: str | Path) -> Any:
     """A memory-mapped `gguf.GGUFReader` (nothing is read into memory beyond the header)."""
-    from gguf import GGUFReader
-
     try:
-        return GGUFReader(str(path))
+        return _plain_view_reader()(str(path))
     except (ValueError, OSError, IndexError) as exc:
         raise ValueError(f"model: {str(path)!r} is not a readable GGUF file ({exc})") from exc
+
+
+def _plain_view_reader() -> type:
+    """`gguf.GGUFReader`, reading its memory map through a plain ndarray view of it.
+
+    The reader slices its map once per part of every metadata field: ~250k slices for a 49k-token
+    vocabulary and its merges, each through `np.memmap`'s Python-level `__getitem__` and
+    `__array_finalize__`. On a plain view of the same map (no copy: the view keeps the map alive) the
+    default model's file opens in 1.1-1.8 s instead of 3.7-4.8, with the same fields and tensors; the
+    engine opens it twice (config, weights), and every Serve replica and the CLI once more each."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class PlainViewGGUFReader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return PlainViewGGUFReader
 
 
 def field_value(reader: Any, key: str, default: Any = None) -> Any:
