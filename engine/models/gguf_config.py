@@ -36,8 +36,8 @@ def _plain_view_reader() -> type:
     The reader slices its map once per part of every metadata field: ~250k slices for a 49k-token
     vocabulary and its merges, each through `np.memmap`'s Python-level `__getitem__` and
     `__array_finalize__`. On a plain view of the same map (no copy: the view keeps the map alive) the
-    default model's file opens in 1.1-1.8 s instead of 3.7-4.8, with the same fields and tensors; the
-    engine opens it twice (config, weights), and every Serve replica and the CLI once more each."""
+    default model's file opens in 1.1-1.8 s instead of 3.7-4.8, with the same fields and tensors; an
+    engine opens it twice (config, weights). (transformers' GGUF tokenizer loading opens its own.)"""
     import numpy as np
     from gguf import GGUFReader
 
