@@ -70,14 +70,26 @@ def test_the_ingress_loads_its_tokenizer_while_it_waits_for_the_engines(tiny_lla
     assert loaded.is_set() and replica.serving.vocab_size == len(real_load(str(tiny_llama)))
 
 
-def test_a_failed_connect_is_raised_while_the_tokenizer_still_loads(tiny_llama):
+def test_a_failed_connect_is_raised_before_a_failed_tokenizer(tiny_llama, monkeypatch):
+    """When both fail, the engines' failure is the one reported (as when the tokenizer loaded after)."""
     import asyncio
+    import threading
 
     import pytest
 
     from pagedserve.cluster.settings import ServeArgs
+    from pagedserve.engine import tokenizer as tokenizer_module
+
+    started = threading.Event()
+
+    def broken_tokenizer(path: str):
+        started.set()
+        raise ValueError("tokenizer: unreadable")
+
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", broken_tokenizer)
 
     async def connect(args, upstream):
+        assert await asyncio.to_thread(started.wait, 30)  # the tokenizer has already failed by now
         raise ConnectionError("no engine came up")
 
     args = ServeArgs(model=str(tiny_llama), kv_cache_memory="8MiB").to_dict()
