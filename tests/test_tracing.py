@@ -245,11 +245,14 @@ def test_pd_request_is_one_trace_with_both_legs_and_the_kv_transfer(tiny_llama):
 class FailsOnce:
     """An engine client whose first stream fails: `EngineDeadError` (its replica died) after `after`
     outputs, or with `refuse` an overload refusal (`EngineOverloadedError`) before the engine took the
-    request. Later streams (the resubmissions) run untouched."""
+    request. Later streams (the resubmissions) run untouched. `tokens_delivered` counts the tokens the
+    failed stream passed on: a consumer that falls behind gets several steps folded into one output,
+    so `after` outputs may carry more than `after` tokens."""
 
     def __init__(self, inner, after: int = 0, refuse: bool = False) -> None:
         self.inner, self.after, self.refuse = inner, after, refuse
         self.failed = False
+        self.tokens_delivered = 0
 
     async def generate(self, request_id: str, *args, **kwargs) -> AsyncIterator[RequestOutput]:
         fail, self.failed = not self.failed, True
@@ -261,6 +264,8 @@ class FailsOnce:
                 if fail and delivered >= self.after:
                     raise EngineDeadError(f"the replica serving {request_id} died")
                 delivered += 1
+                if fail:
+                    self.tokens_delivered += sum(len(c.token_ids) for c in output.outputs)
                 yield output
 
     def __getattr__(self, name: str):
@@ -274,7 +279,8 @@ def migrating_app(server, inner: FailsOnce) -> tuple[OpenAIServing, TestClient]:
 
 
 def test_a_migration_is_an_event_and_a_span_with_its_new_routing(server):
-    serving, client = migrating_app(server, FailsOnce(server.coordinator, after=2))
+    engine = FailsOnce(server.coordinator, after=2)
+    serving, client = migrating_app(server, engine)
     exporter = traced(serving)
     with client:
         response = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
@@ -282,12 +288,13 @@ def test_a_migration_is_an_event_and_a_span_with_its_new_routing(server):
     spans = exporter.get_finished_spans()
     root = check_tree(spans)
     names = by_name(spans)
-    assert root.attributes["pagedserve.output_tokens"] == 6  # the dead engine's two, then the continuation's
+    assert root.attributes["pagedserve.output_tokens"] == 6  # the dead engine's tokens, then the continuation's
     (migration,) = names["migration"]
     assert migration.parent.span_id == root.context.span_id
     assert migration.attributes["pagedserve.retry.attempt"] == 1
     assert migration.attributes["pagedserve.retry.reason"] == "EngineDeadError"
-    assert migration.attributes["pagedserve.retry.tokens_delivered"] == 2
+    assert 2 <= engine.tokens_delivered < 6
+    assert migration.attributes["pagedserve.retry.tokens_delivered"] == engine.tokens_delivered
     # The continuation's routing decision sits in the migration span; the first one in the first dispatch.
     routes = {s.attributes["pagedserve.route.attempt"]: s for s in names["route"]}
     assert set(routes) == {0, 1}
