@@ -194,8 +194,8 @@ def test_vectorized_sampler_equals_reference(data):
                 sampler.release(mine)
             else:
                 dropped = True
-        if dropped:  # a young-generation collection frees a state a failure's traceback kept in a cycle;
-            gc.collect(0)  # a full one costs 0.2 s alone and over 1 s in a full suite's heap, per example
+        if dropped:  # a state a failure's traceback keeps in a cycle is young: collecting the two younger
+            gc.collect(1)  # generations frees it (a full collection costs over 1 s per example in a full suite)
             dropped = False
         if not live:
             continue
