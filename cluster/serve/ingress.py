@@ -91,7 +91,8 @@ class PagedServeIngress:
         self.args = ServeArgs.model_validate(args)
         # The tokenizer loads while the engines do (a GGUF file's: ~6 s on 2 cores, a tenth of the
         # default model's start-up, which waited for the engines first); a failed connect is raised first.
-        tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.args.tokenizer or self.args.model))
+        tokenizer_path = self.args.tokenizer or self.args.model
+        tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, tokenizer_path))
         try:
             self.connection = await connect(self.args, upstream)
         except BaseException:
