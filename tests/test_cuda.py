@@ -94,3 +94,39 @@ def test_decode_cuda_graphs_replay_what_the_eager_forward_computes(tiny_model_fa
         replayed = graphs.run(ids, pos, md).clone()
     torch.testing.assert_close(replayed, expected, rtol=1e-4, atol=1e-4)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("qtypes", [{"*": "Q4_1"}, {"*": "Q8_0"}, {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"}],
+                         ids=["Q4_1", "Q8_0", "Q4_K_M-like"])
+def test_quantized_gguf_greedy_matches_hf_on_cuda(tmp_path, tokenizer_dir, qtypes):
+    """A GGUF model held quantized on the GPU (uint8 blocks through the Triton dequant-GEMM, CUDA graphs
+    on) decodes what HF decodes on the same file dequantized, in float32 (the near-tie rule of the CPU
+    tests), with chunked prefill beside decodes."""
+    pytest.importorskip("gguf")
+    from tests.test_engine_parity import assert_all_blocks_free
+    from tests.test_gguf_loader import VOCAB, hf_weights, write_gguf
+    from tests.test_gguf_quantized import MAX_NEW, greedy_or_near_tie, hf_from_gguf, write_k_quant_gguf
+
+    path = tmp_path / "m.gguf"
+    if qtypes["*"].endswith("_K"):
+        write_k_quant_gguf(path, qtypes)
+    else:
+        write_gguf(path, "llama", hf_weights("llama", tied=True, seed=3), qtypes["*"])
+    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), device="cuda", dtype="float32",
+              max_num_batched_tokens=8, kv_cache_memory="64MiB")
+    try:
+        assert llm.llm_engine.config.quantization == "gguf"
+        down = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0].mlp.down_proj
+        assert down.weight.is_cuda and down.weight.dtype == torch.uint8
+        assert down.qtype == qtypes.get("ffn_down", qtypes["*"])
+        rng = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(8, VOCAB, (n,), generator=rng).tolist() for n in (3, 11, 17)]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        hf = hf_from_gguf(path)
+        for prompt, out in zip(prompts, outs):
+            assert len(out.outputs[0].token_ids) == MAX_NEW
+            greedy_or_near_tie(hf, prompt, out.outputs[0].token_ids)
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()

@@ -71,12 +71,15 @@ def main() -> None:
     compile_kernel(_rotary_kernel, {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "q_out_ptr": "*bf16",
                                     "k_out_ptr": "*bf16", "cache_ptr": "*fp32"},
                    set(), dict(IS_NEOX=False, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64))
-    for qtype, block_bytes, subs, dtype, precision in ((3, 20, 1, "bf16", "tf32"), (7, 24, 1, "fp16", "tf32"),
-                                                       (8, 34, 1, "fp32", "ieee"), (13, 176, 8, "bf16", "tf32"),
-                                                       (14, 210, 8, "bf16", "tf32")):
-        compile_kernel(_gguf_linear_kernel, {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": f"*{dtype}"}, set(), dict(
-            QTYPE=qtype, BLOCK_BYTES=block_bytes, SUBS=subs, QS_OFFSET=_QS_OFFSET[qtype], BLOCK_M=16, BLOCK_N=64,
-            PRECISION=precision, INTERPRET=False))
+    for qtype, block_bytes, elems, dtype, out, precision, block_m in (
+            (3, 20, 32, "bf16", "bf16", "tf32", 16), (7, 24, 32, "fp16", "fp32", "tf32", 64),
+            (8, 34, 32, "fp32", "fp32", "ieee", 32), (13, 176, 256, "bf16", "fp32", "tf32", 16),
+            (14, 210, 256, "bf16", "bf16", "tf32", 64), (12, 144, 256, "fp16", "fp16", "tf32", 32),
+            (3, 20, 32, "bf16", "bf16", "tf32", 128)):
+        compile_kernel(_gguf_linear_kernel, {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": f"*{out}"}, set(), dict(
+            QTYPE=qtype, BLOCK_BYTES=block_bytes, BLOCK_ELEMS=elems, QS_OFFSET=_QS_OFFSET[qtype], BLOCK_M=block_m,
+            BLOCK_N=32, BLOCK_K=256 if elems == 256 else 128, PRECISION=precision,
+            INTERPRET=False))
     compile_kernel(_silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024))
     compile_kernel(_masked_exp_sum_kernel, {"logits_ptr": "*fp32", "rows_ptr": "*i64", "kth_ptr": "*fp32",
                                             "max_ptr": "*fp32", "out_ptr": "*fp32"}, set(), dict(BLOCK=1024))

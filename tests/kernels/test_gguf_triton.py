@@ -37,3 +37,34 @@ def test_triton_gguf_linear_bf16(qtype):
     out = gguf_linear_triton(x, raw, qtype, k)
     assert out.shape == (2, 2, 33) and out.dtype == torch.bfloat16
     close(out.reshape(4, 33), reference(x.reshape(4, k), deq), torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 40, 70])
+def test_triton_gguf_linear_split_k_and_sliced_weight(qtype, m):
+    """A long K over few output tiles is split across programs (float32 partials summed in order), and a
+    row-parallel shard (a block-aligned column slice of the weight's bytes) is read in place."""
+    from pagedserve.kernels.torch_impl.gguf_quant import row_bytes
+    from pagedserve.kernels.triton import gguf_linear as kernel
+
+    k = 768 if qtype.endswith("_K") else 576  # several K steps: 5 of 128 (the last half full), or 3 super-blocks
+    raw, deq = quantized(qtype, 70, 2 * k, seed=m)
+    shard = raw[:, row_bytes(qtype, k):]
+    assert not shard.is_contiguous()
+    launches = []
+    real = kernel._gguf_linear_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    x = torch.randn(m, k)
+    try:
+        kernel._gguf_linear_kernel = Spy()
+        out = gguf_linear_triton(x, shard, qtype, k)
+    finally:
+        kernel._gguf_linear_kernel = real
+    assert launches[0][2] > 1  # split over K
+    close(out, reference(x, deq[:, k:]), torch.float32)
+    torch.testing.assert_close(out, gguf_linear_torch(x, shard.contiguous(), qtype, k), rtol=1e-4, atol=1e-4)
