@@ -153,18 +153,23 @@ class AsyncLLM:
         try:
             await asyncio.wrap_future(added)  # raises the processor's ValueError, if any
             accepted = True
-            error: BaseException | None = None  # met while merging: raised after what came before it
+            # Met while merging: a failure (an exception, or an output that carries the request's error) goes
+            # out on its own after what came before it, so a consumer that fell behind still gets the tokens
+            # made before the request failed (an HTTP stream has then started: the error is sent in-band).
+            held_back: RequestOutput | BaseException | None = None
             while True:
-                if error is not None:
-                    raise error
-                item = await stream.queue.get()
+                if held_back is not None:
+                    item, held_back = held_back, None
+                else:
+                    item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 # Several steps' deltas waiting (a slow consumer, e.g. an HTTP stream): send them as one.
-                while output_kind in DELTA_KINDS and not item.finished and not stream.queue.empty():
+                while (output_kind in DELTA_KINDS and not item.finished and item.error is None
+                       and not stream.queue.empty()):
                     later = stream.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        error = later
+                    if isinstance(later, BaseException) or later.error is not None:
+                        held_back = later
                         break
                     item.add(later)
                 finished = item.finished
@@ -296,7 +301,7 @@ class AsyncLLM:
         if isinstance(item, BaseException) or item.finished:
             del self._streams[request_id]
         if stream.coalescer is not None:
-            if isinstance(item, BaseException):  # what was held goes out before the error
+            if isinstance(item, BaseException) or item.error is not None:  # what was held goes out before the error
                 held = stream.coalescer.flush()
                 if held is not None:
                     self._put(stream, held)

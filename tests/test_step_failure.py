@@ -4,6 +4,7 @@ and the engine goes on serving. Failures are injected through the model runner's
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -112,5 +113,47 @@ def test_async_llm_stream_gets_the_error_and_others_finish(tiny_model_factory):
         assert after.outputs[0].token_ids == healthy_1.outputs[0].token_ids
         stats = engine.engine.get_stats()
         assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        engine.shutdown()
+
+
+class _PoisonAfter:
+    """fault_injector: the sampling of one request raises once it has sampled ``tokens`` tokens; each of
+    its steps takes ``step_s`` longer, so that a reader keeps up with its first token."""
+
+    def __init__(self, request_id: str, tokens: int, step_s: float = 0.0) -> None:
+        self.request_id, self.tokens, self.step_s, self.sampled = request_id, tokens, step_s, 0
+
+    def __call__(self, stage: str, request_id: str) -> None:
+        if stage == "sample" and request_id == self.request_id:
+            self.sampled += 1
+            time.sleep(self.step_s)
+            if self.sampled > self.tokens:
+                raise RuntimeError("injected sample failure")
+
+
+def test_a_consumer_that_fell_behind_gets_the_tokens_made_before_the_failure_first(tiny_model_factory):
+    """The deltas waiting for a slow consumer are merged, but never with the request's failure: the tokens
+    made before it come as their own output, then the error (an HTTP stream has started by then)."""
+    engine = AsyncLLM(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory="8MiB"))
+    _inject(engine.engine, _PoisonAfter("poisoned", 3, step_s=0.05))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def run() -> list:
+        outputs = []
+        async for out in engine.generate("hello there", params, request_id="poisoned"):
+            outputs.append(out)
+            deadline = time.monotonic() + 60
+            while len(outputs) == 1 and engine.get_stats().num_unfinished and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # fall behind until the request has failed in the engine
+        return outputs
+
+    try:
+        outputs = asyncio.run(run())
+        *tokens, failed = outputs  # e.g. the first token, tokens 2-3 merged, then the failure on its own
+        assert tokens and all(o.error is None and not o.finished for o in tokens)
+        assert sum(len(o.outputs[0].token_ids) for o in tokens) == 3
+        assert failed.finished and "injected sample failure" in failed.error
+        assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
     finally:
         engine.shutdown()
