@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -202,6 +203,10 @@ def test_a_refused_duplicate_request_id_leaves_the_running_request_alone(async_l
     aborts the first request, which finishes with every token."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
+    def slow_steps(stage: str, request_id: str) -> None:  # the first request outlives the refused one
+        if stage == "sample" and request_id == "dup":
+            time.sleep(0.02)
+
     async def run():
         tokens, finals = [], []
         first = async_llm.generate("def fibonacci(n):", params, request_id="dup")
@@ -218,7 +223,11 @@ def test_a_refused_duplicate_request_id_leaves_the_running_request_alone(async_l
         await asyncio.wait_for(rest(), 120)  # an aborted first request would never finish here
         return tokens, finals
 
-    tokens, finals = asyncio.run(run())
+    async_llm.engine.engine_core.executor.collective_rpc("set_fault_injector", (slow_steps,))
+    try:
+        tokens, finals = asyncio.run(run())
+    finally:
+        async_llm.engine.engine_core.executor.collective_rpc("set_fault_injector", (None,))
     assert len(tokens) == 24 and finals == ["length"]
 
 

@@ -290,7 +290,9 @@ def test_the_serve_engine_client_asks_its_replica_for_the_final_output(tiny_llam
     assert kinds == [FINAL, OutputKind.DELTA]
     assert [args[1] for args, _ in handle.calls] == [[5, 6, 7, 8, 9]] * 2
     assert [kwargs["final_only"] for _, kwargs in handle.calls] == [True, False]
-    assert len(final) == 1 and final[0].finished and len(deltas) > 1
+    # (a consumer that falls behind gets several steps' deltas as one: how many depends on timing)
+    assert len(final) == 1 and final[0].finished and deltas and deltas[-1].finished
+    assert not any(d.finished for d in deltas[:-1])
     assert final[0].outputs[0].token_ids == [t for d in deltas for t in d.outputs[0].token_ids]
     assert final[0].outputs[0].text == "".join(d.outputs[0].text for d in deltas)
 
