@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.bench import report as rep
+from pagedserve.bench.random_model import MODEL_SHAPES
 from pagedserve.bench.roofline import Machine, machine_figures
 
 
@@ -18,7 +19,7 @@ def add_model_args(parser: argparse.ArgumentParser, random_weights: bool = True)
     parser.add_argument("model", nargs="?", default=None,
                         help="HF-format model directory or GGUF file (default: the default model)")
     if random_weights:
-        parser.add_argument("--random-weights", choices=["small", "medium"], default=None,
+        parser.add_argument("--random-weights", choices=list(MODEL_SHAPES), default=None,
                             help="benchmark a random-weight Llama of this shape instead of MODEL")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 

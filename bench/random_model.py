@@ -13,6 +13,10 @@ MODEL_SHAPES = {
     # ~190M parameters: Llama shape, hidden 1024, 8 layers, GQA
     "medium": dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False),
+    # ~135M parameters: the default model's shape (SmolLM2-135M), e.g. for its float and int4/int8 figures on
+    # a machine without the packaged GGUF file
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
 }
 
 

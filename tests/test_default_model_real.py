@@ -175,3 +175,14 @@ def test_json_schema_at_temperature_zero_terminates_with_valid_json(llm):
         value = json.loads(completion.text)
         assert isinstance(value["name"], str) and isinstance(value["age"], int)
     assert_all_blocks_free(llm)
+
+
+def test_the_benchmarks_random_smollm2_shape_is_the_default_models(gguf_path):
+    """`bench ... --random-weights smollm2` stands in for the default model (e.g. on a GPU machine without
+    the package): its shape must be the packaged file's."""
+    from pagedserve.bench.random_model import MODEL_SHAPES
+    from pagedserve.engine.models.gguf_config import gguf_hf_config
+
+    config = gguf_hf_config(gguf_path)
+    for key, value in MODEL_SHAPES["smollm2"].items():
+        assert getattr(config, key) == value, key
