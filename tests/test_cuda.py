@@ -103,9 +103,8 @@ def test_quantized_gguf_greedy_matches_hf_on_cuda(tmp_path, tokenizer_dir, qtype
     on) decodes what HF decodes on the same file dequantized, in float32 (the near-tie rule of the CPU
     tests), with chunked prefill beside decodes."""
     pytest.importorskip("gguf")
-    from tests.test_engine_parity import assert_all_blocks_free
     from tests.test_gguf_loader import VOCAB, hf_weights, write_gguf
-    from tests.test_gguf_quantized import MAX_NEW, greedy_or_near_tie, hf_from_gguf, write_k_quant_gguf
+    from tests.test_gguf_quantized import assert_greedy_matches_hf, write_k_quant_gguf
 
     path = tmp_path / "m.gguf"
     if qtypes["*"].endswith("_K"):
@@ -121,12 +120,6 @@ def test_quantized_gguf_greedy_matches_hf_on_cuda(tmp_path, tokenizer_dir, qtype
         assert down.qtype == qtypes.get("ffn_down", qtypes["*"])
         rng = torch.Generator().manual_seed(7)
         prompts = [torch.randint(8, VOCAB, (n,), generator=rng).tolist() for n in (3, 11, 17)]
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        hf = hf_from_gguf(path)
-        for prompt, out in zip(prompts, outs):
-            assert len(out.outputs[0].token_ids) == MAX_NEW
-            greedy_or_near_tie(hf, prompt, out.outputs[0].token_ids)
-        assert_all_blocks_free(llm)
+        assert_greedy_matches_hf(llm, path, prompts)
     finally:
         llm.shutdown()

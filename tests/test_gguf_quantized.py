@@ -96,6 +96,18 @@ def greedy_or_near_tie(hf, prompt: list[int], ours: list[int]) -> None:
         ids.append(token)
 
 
+def assert_greedy_matches_hf(llm: LLM, path, prompts: list[list[int]]) -> None:
+    """The engine's greedy tokens for ``prompts`` are HF's on the same file (near-tie rule); every KV block
+    is free afterwards."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)  # plain argmax, like HF
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = hf_from_gguf(path)
+    for prompt, out in zip(prompts, outs):
+        assert len(out.outputs[0].token_ids) == MAX_NEW
+        greedy_or_near_tie(hf, prompt, out.outputs[0].token_ids)
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("qtype", BLOCK_32_TYPES)
 def test_engine_greedy_parity_with_hf_in_float32(tmp_path, tokenizer_dir, qtype):
     path = tmp_path / "m.gguf"
@@ -105,14 +117,7 @@ def test_engine_greedy_parity_with_hf_in_float32(tmp_path, tokenizer_dir, qtype)
     try:
         assert llm.llm_engine.config.quantization == "gguf"
         rng = np.random.default_rng(7)
-        prompts = [rng.integers(8, VOCAB, n).tolist() for n in (3, 11, 17)]
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)  # plain argmax, like HF below
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        hf = hf_from_gguf(path)
-        for prompt, out in zip(prompts, outs):
-            assert len(out.outputs[0].token_ids) == MAX_NEW
-            greedy_or_near_tie(hf, prompt, out.outputs[0].token_ids)
-        assert_all_blocks_free(llm)
+        assert_greedy_matches_hf(llm, path, [rng.integers(8, VOCAB, n).tolist() for n in (3, 11, 17)])
     finally:
         llm.shutdown()
 
