@@ -17,10 +17,10 @@ cache when it fits (50 MB on an H100), which favours the dense call more than in
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
+from cpu_decode_ops import per_call_us as cpu_per_call_us  # a sibling script (benchmarks/ is on sys.path)
 
 from pagedserve.kernels.quantized import gguf_linear
 from pagedserve.kernels.torch_impl.gguf_quant import (
@@ -38,30 +38,23 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 def per_call_us(fn: Callable[[], object], device: torch.device) -> float:
     """Microseconds per call. On a GPU: the device's time alone (a CUDA graph of 20 calls, replayed
     between CUDA events, as the engine's decode steps replay theirs); on CPU: the fastest of 5 loops."""
+    if device.type != "cuda":
+        return cpu_per_call_us(fn, min_seconds=0.05)
     for _ in range(3):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        graph, calls, replays = torch.cuda.CUDAGraph(), 20, 10
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / (calls * replays)
-    best = float("inf")
-    for _ in range(5):
-        calls, begin = 0, time.perf_counter()
-        while time.perf_counter() - begin < 0.05:
+    torch.cuda.synchronize()
+    graph, calls, replays = torch.cuda.CUDAGraph(), 20, 10
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
             fn()
-            calls += 1
-        best = min(best, (time.perf_counter() - begin) / calls)
-    return best * 1e6
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main() -> None:
