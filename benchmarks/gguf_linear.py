@@ -70,11 +70,15 @@ def main() -> None:
     for qtype in qtypes:
         if qtype not in GGUF_QUANT_TYPES:
             parser.error(f"--qtypes: {qtype!r} is not one of {', '.join(GGUF_QUANT_TYPES)}")
+    shapes = args.shapes.split(",")
+    for shape in shapes:
+        if shape not in SHAPES:
+            parser.error(f"--shapes: {shape!r} is not one of {', '.join(SHAPES)}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     print(f"device {device} ({name}), activations {args.dtype}, torch {torch.__version__}")
     print(f"{'shape':>8} {'N x K':>12} {'qtype':>5} {'M':>4} {'quant us':>9} {'dense us':>9} {'q/dense':>7} {'GB/s':>7}")
     gen = torch.Generator().manual_seed(0)
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         n, k = SHAPES[shape]
         w = torch.randn(n, k, generator=gen) * 0.05
         for qtype in qtypes:

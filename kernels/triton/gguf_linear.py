@@ -4,7 +4,7 @@ One program computes a [BLOCK_M, BLOCK_N] tile of y over a range of K. It walks 
 elements at a time: several 32-element blocks of the simple types, or one 256-element K-quant
 super-block (its eight 32-element sub-blocks). For each step it reads every block's scale (and min) once
 and its packed values for BLOCK_N rows of W, dequantizes them in registers into a [BLOCK_K, BLOCK_N] tile
-of x's dtype (a [blocks, 32, BLOCK_N] view while decoding), and accumulates tl.dot(x tile, W tile) in
+of x's dtype (built as a [blocks, 32, BLOCK_N] tensor, then reshaped), and accumulates tl.dot(x tile, W tile) in
 float32. W is never dequantized in memory. The formats are described in kernels/torch_impl/gguf_quant.py.
 
 Decode multiplies a few rows of x by a small matrix (576 x 576 for the default model): a grid of
@@ -170,5 +170,5 @@ def gguf_linear_triton(x: torch.Tensor, weight: torch.Tensor, qtype: str, in_fea
             INTERPRET=interpreting(), num_warps=num_warps,
         )
         if splits > 1:
-            torch.sum(dest, dim=0, out=out) if x.dtype == torch.float32 else out.copy_(dest.sum(dim=0))
+            out.copy_(dest.sum(dim=0))  # summed in float32, then rounded to x's dtype
     return out.reshape(*x.shape[:-1], N)
