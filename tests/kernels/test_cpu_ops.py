@@ -220,6 +220,35 @@ def test_compiled_decode_lengths_across_chunk_and_block_edges(dtype, num_heads, 
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    # The default model's shape; blocks of 4 and 12 tokens (shorter than, and not a multiple of, the AVX-512
+    # path's 16 keys scored at once); 7 query heads per KV head; head sizes that end in a 16- or 8-wide slice
+    # (48, 80, 40) and a large one (128).
+    [(9, 3, 64, 16), (9, 3, 64, 4), (4, 2, 64, 12), (7, 1, 64, 16), (6, 2, 48, 32), (14, 2, 80, 16),
+     (4, 2, 40, 16), (4, 4, 128, 16)],
+)
+@pytest.mark.parametrize("sliding_window", [0, 13])
+def test_compiled_decode_of_calls_small_enough_for_one_thread(dtype, num_heads, num_kv_heads, head_size, block_size,
+                                                              sliding_window):
+    """One sequence at a time, the size of a batch-1 decode step: calls this small run on the calling thread
+    (the other tests' batches mostly take the pool), with partitions past 256 tokens for the smallest heads
+    and windows that start mid-block."""
+    seq_lens = [1, 7, 8, 9, 16, 23, 40, 100, 300]
+    batch = make_paged_batch(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=head_size * block_size)
+    query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
+    scale = head_size ** -0.5
+    ref = naive_paged_attention(query, batch, list(range(len(seq_lens) + 1)), scale, sliding_window=sliding_window or None)
+    for i, n_tokens in enumerate(seq_lens):
+        if n_tokens * num_heads * head_size >= 1 << 17:  # the op would share it with the pool
+            continue
+        out = torch.ops.pagedserve.paged_decode_attention(
+            query[i:i + 1], batch.key_cache, batch.value_cache, batch.block_tables[i:i + 1],
+            torch.tensor([n_tokens], dtype=torch.int32), scale, sliding_window)
+        torch.testing.assert_close(out.double(), ref[i:i + 1], **tolerance(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [3, 17, 40, 260])
 def test_compiled_decode_sliding_window_starts_inside_a_block(dtype, sliding_window):
