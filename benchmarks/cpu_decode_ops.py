@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable
@@ -46,19 +47,21 @@ def per_call_us(fn: Callable[[], object], clock: Callable[[], float] = time.perf
     return min(samples)
 
 
+def cache_shape(batch: int, context: int, args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """One layer's K (or V) cache for a grid cell: [blocks, block_size, kv_heads, head_size]."""
+    return (batch * -(-context // args.block_size), args.block_size, args.num_kv_heads, args.head_size)
+
+
 def cache_bytes(batch: int, context: int, dtype: torch.dtype, args: argparse.Namespace) -> int:
     """The K and V caches of all `--layers` for one grid cell."""
-    blocks = batch * -(-context // args.block_size)
-    elems = blocks * args.block_size * args.num_kv_heads * args.head_size
-    return 2 * args.layers * elems * torch.empty((), dtype=dtype).element_size()
+    return 2 * args.layers * math.prod(cache_shape(batch, context, args)) * torch.empty((), dtype=dtype).element_size()
 
 
 def attention_call(batch: int, context: int, dtype: torch.dtype, args: argparse.Namespace) -> Callable[[], object]:
     """One call of the op per invocation, on the next of `args.layers` caches in turn."""
     gen = torch.Generator().manual_seed(batch * 10_000 + context)
-    blocks_per_seq = -(-context // args.block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_size)
+    shape = cache_shape(batch, context, args)
+    num_blocks, blocks_per_seq = shape[0], shape[0] // batch
     caches = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
               for _ in range(args.layers)]
     tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(torch.int32)
