@@ -20,6 +20,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from pagedserve.kernels.torch_impl.gguf_quant import GGUF_QUANT_TYPES
 from pagedserve.kernels.triton._utils import dot_precision, interpreting
@@ -145,9 +146,18 @@ def _launch_shape(m: int, n: int) -> tuple[int, int, int]:
     return block_m, 32, 2 if m <= 16 and n >= 16384 else 4
 
 
+# (device, GGML type, x's dtype, chosen BLOCK_M, num_warps) -> the smaller BLOCK_M that a launch fell back
+# to because the chosen tile did not fit the device's shared memory.
+_FITTED_BLOCK_M: dict[tuple[torch.device, int, torch.dtype, int, int], int] = {}
+
+
 def gguf_linear_triton(x: torch.Tensor, weight: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
-    """x [..., K] @ dequantize(weight).T -> [..., N] in x.dtype (K = in_features, whole blocks)."""
-    code, bb, elements = GGUF_QUANT_TYPES[qtype]
+    """x [..., K] @ dequantize(weight).T -> [..., N] in x.dtype (K = in_features, whole blocks).
+
+    A tile too large for the device's shared memory (a float32 K-quant step of 256 elements in 128-row
+    tiles needs 288 KiB, over an H100's 227; consumer GPUs have about 100) fails to launch before any
+    work is queued: the launch is retried with half the rows per tile, and the fitting size remembered."""
+    code = GGUF_QUANT_TYPES[qtype][0]
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -156,19 +166,37 @@ def gguf_linear_triton(x: torch.Tensor, weight: torch.Tensor, qtype: str, in_fea
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
         block_m, block_n, num_warps = _launch_shape(M, N)
-        block_k = _BLOCK_K[elements]
-        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-        steps = triton.cdiv(in_features, block_k)
-        per_split = triton.cdiv(steps, max(1, min(steps, _target_programs(x.device) // tiles)))
-        splits = triton.cdiv(steps, per_split)
-        dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-        _gguf_linear_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)](
-            x2, w, dest, M, N, in_features, x2.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0,
-            w.stride(0), per_split,
-            QTYPE=code, BLOCK_BYTES=bb, BLOCK_ELEMS=elements, QS_OFFSET=_QS_OFFSET[code],
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
-            INTERPRET=interpreting(), num_warps=num_warps,
-        )
-        if splits > 1:
-            out.copy_(dest.sum(dim=0))  # summed in float32, then rounded to x's dtype
+        key = (x.device, code, x.dtype, block_m, num_warps)
+        block_m = _FITTED_BLOCK_M.get(key, block_m)
+        while True:
+            try:
+                _launch(x2, w, out, qtype, in_features, block_m, block_n, num_warps)
+                break
+            except OutOfResources:
+                if block_m <= 16:
+                    raise
+                block_m //= 2
+                _FITTED_BLOCK_M[key] = block_m
     return out.reshape(*x.shape[:-1], N)
+
+
+def _launch(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, qtype: str, in_features: int,
+            block_m: int, block_n: int, num_warps: int) -> None:
+    """One launch of the kernel writing out [M, N], split over K where the tiles alone are too few."""
+    code, bb, elements = GGUF_QUANT_TYPES[qtype]
+    M, N = out.shape
+    block_k = _BLOCK_K[elements]
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    steps = triton.cdiv(in_features, block_k)
+    per_split = triton.cdiv(steps, max(1, min(steps, _target_programs(x2.device) // tiles)))
+    splits = triton.cdiv(steps, per_split)
+    dest = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x2.device)
+    _gguf_linear_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)](
+        x2, w, dest, M, N, in_features, x2.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0,
+        w.stride(0), per_split,
+        QTYPE=code, BLOCK_BYTES=bb, BLOCK_ELEMS=elements, QS_OFFSET=_QS_OFFSET[code],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x2.dtype),
+        INTERPRET=interpreting(), num_warps=num_warps,
+    )
+    if splits > 1:
+        out.copy_(dest.sum(dim=0))  # summed in float32, then rounded to x's dtype

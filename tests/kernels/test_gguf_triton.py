@@ -68,3 +68,44 @@ def test_triton_gguf_linear_split_k_and_sliced_weight(qtype, m):
     assert launches[0][2] > 1  # split over K
     close(out, reference(x, deq[:, k:]), torch.float32)
     torch.testing.assert_close(out, gguf_linear_torch(x, shard.contiguous(), qtype, k), rtol=1e-4, atol=1e-4)
+
+
+def test_a_tile_too_large_for_shared_memory_is_retried_with_fewer_rows(monkeypatch):
+    """On an H100 a float32 K-quant call of 300 rows asked for 288 KiB of shared memory in 128-row tiles
+    (227 KiB fit): Triton refuses such a launch before queuing any work. The launch is retried with half
+    the rows per tile until one fits, and the fitting size is remembered for the next call."""
+    from triton.runtime.errors import OutOfResources
+
+    from pagedserve.kernels.triton import gguf_linear as kernel
+
+    real = kernel._gguf_linear_kernel
+    tried: list[int] = []
+    fits = 32
+
+    class SharedMemoryOf32Rows:
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                tried.append(constants["BLOCK_M"])
+                if constants["BLOCK_M"] > fits:
+                    raise OutOfResources(294912, 232448, "shared memory")
+                assert grid[0] == -(-args[3] // constants["BLOCK_M"])  # the grid follows the smaller tile
+                return real[grid](*args, **constants)
+
+            return launch
+
+    monkeypatch.setattr(kernel, "_gguf_linear_kernel", SharedMemoryOf32Rows())
+    monkeypatch.setattr(kernel, "_FITTED_BLOCK_M", {})
+    raw, deq = quantized("Q4_K", 40, 256)
+    x = torch.randn(100, 256)
+    close(gguf_linear_triton(x, raw, "Q4_K", 256), reference(x, deq), torch.float32)
+    assert tried == [128, 64, 32]
+    tried.clear()
+    close(gguf_linear_triton(x[:70], raw, "Q4_K", 256), reference(x[:70], deq), torch.float32)
+    assert tried == [32]  # remembered: no failed launch the second time
+    tried.clear()
+    gguf_linear_triton(x[:5], raw, "Q4_K", 256)
+    assert tried == [16]  # other launch shapes are their own
+
+    fits = 8  # not even the smallest tile fits: the device's error reaches the caller
+    with pytest.raises(OutOfResources):
+        gguf_linear_triton(x[:20], raw, "Q4_K", 256)
