@@ -31,7 +31,7 @@ generate: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -X faulthandler -m pytest -q $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
