@@ -42,6 +42,11 @@ def pending(prompt: list[int] | None, method: str = "generate") -> Any:
     return SimpleNamespace(metadata=metadata, args=["req", prompt, {}, 0] if prompt is not None else [], kwargs={})
 
 
+def with_id(internal_id: str) -> Any:
+    """A pending request as Serve's lifecycle hooks see it: its internal request id."""
+    return SimpleNamespace(metadata=SimpleNamespace(internal_request_id=internal_id))
+
+
 SHARED = list(range(100, 100 + 6 * BLOCK))
 
 
@@ -73,12 +78,37 @@ def test_load_only_picks_less_loaded_and_counts_in_flight():
     router, replicas = make_router(2)
     replicas[0].routing_stats["num_waiting"] = 3
     assert all(router.choose(replicas, None) is replicas[1] for _ in range(5))
-    for _ in range(5):
-        router.on_request_routed(None, replicas[1].replica_id, None)
+    for i in range(5):
+        router.on_request_routed(with_id(f"r{i}"), replicas[1].replica_id, None)
     assert router.choose(replicas, None) is replicas[0]  # 5 in flight on r1 > 3 waiting on r0
-    for _ in range(5):
-        router.on_request_completed(replicas[1].replica_id, "x")
+    for i in range(5):
+        router.on_request_completed(replicas[1].replica_id, f"r{i}")
     assert router.in_flight[replicas[1].replica_id] == 0
+
+
+def test_in_flight_counts_hold_whatever_order_serve_reports_in():
+    """Serve registers a request's completion callback before it awaits the replica's acceptance and calls
+    `on_request_routed` after: a short call can complete first. A replica refusing a request completes it
+    without routing it, and the request is then routed elsewhere. Two calls may share an internal id."""
+    router, replicas = make_router(2)
+    first, second = (r.replica_id for r in replicas)
+    router.on_request_completed(first, "ready")  # an engine's ready() answered before it was counted routed
+    router.on_request_routed(with_id("ready"), first, None)
+    assert router.in_flight.get(first, 0) == 0
+    assert {router.choose(replicas, None).replica_id for _ in range(40)} == {first, second}  # ties go either way
+
+    router.on_request_completed(first, "refused")  # refused by the first replica ...
+    router.on_request_routed(with_id("refused"), second, None)  # ... and accepted by the second
+    assert (router.in_flight.get(first, 0), router.in_flight[second]) == (0, 1)
+    router.on_request_completed(second, "refused")
+    assert router.in_flight[second] == 0
+
+    for _ in range(2):  # two calls of one HTTP request to one replica
+        router.on_request_routed(with_id("shared"), first, None)
+    assert router.in_flight[first] == 2
+    for _ in range(2):
+        router.on_request_completed(first, "shared")
+    assert router.in_flight[first] == 0
 
 
 def test_kv_usage_weighs_in():
@@ -150,8 +180,7 @@ def test_load_counts_requests_once():
 
 def _routed(router, replica, internal_id: str) -> None:
     """A request routed to `replica` that has ended (its outcome is reported after)."""
-    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=internal_id)),
-                             replica.replica_id, None)
+    router.on_request_routed(with_id(internal_id), replica.replica_id, None)
     router.on_request_completed(replica.replica_id, internal_id)
 
 

@@ -80,6 +80,25 @@ logger = logging.getLogger(__name__)
 MAX_TRACKED_REQUESTS = 65536
 
 
+def _count_up(table: OrderedDict, key: Any) -> None:
+    """One more of `key` in a bounded insertion-ordered multiset (the oldest keys go first)."""
+    table[key] = table.get(key, 0) + 1
+    while len(table) > MAX_TRACKED_REQUESTS:
+        table.popitem(last=False)
+
+
+def _count_down(table: OrderedDict, key: Any) -> bool:
+    """One fewer of `key`; False if there was none."""
+    count = table.get(key, 0)
+    if count <= 0:
+        return False
+    if count == 1:
+        del table[key]
+    else:
+        table[key] = count - 1
+    return True
+
+
 class PrefixAffinityRouter(RequestRouter):
     """Power of two choices by load with bounded prefix affinity, over Serve's engine replicas."""
 
@@ -109,6 +128,13 @@ class PrefixAffinityRouter(RequestRouter):
         self.num_routed: dict[ReplicaID, int] = {}
         self.breaker: CircuitBreaker[ReplicaID] = CircuitBreaker(failure_threshold, breaker_cooldown_s)
         self._routed_to: OrderedDict[str, ReplicaID] = OrderedDict()  # internal request id -> replica
+        # How many requests of each (internal request id, replica) `in_flight` counts, and how many completed
+        # before they were routed. Serve registers a request's completion callback before it awaits the
+        # replica's acceptance, and calls `on_request_routed` only then: a short call (an engine's `ready()`)
+        # can complete first. Counted naively, it stayed in flight forever and its replica lost every tie of
+        # the two-choice draw (a test's ten tenants all went to the other engine).
+        self._counted: OrderedDict[tuple[str, ReplicaID], int] = OrderedDict()
+        self._completed_first: OrderedDict[tuple[str, ReplicaID], int] = OrderedDict()
         register(self._deployment_id.app_name, self._deployment_id.name, self)
         self._ray_counter = _ray_decision_counter()
         self.route_log = RouteLog()  # each request's decision, for its trace (the ingress takes it)
@@ -203,9 +229,13 @@ class PrefixAffinityRouter(RequestRouter):
     # ------------------------------------------------------------------ Serve's lifecycle hooks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
         self.num_routed[replica_id] = self.num_routed.get(replica_id, 0) + 1
         internal_id = getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
+        key = (internal_id, replica_id)
+        if not (internal_id and _count_down(self._completed_first, key)):  # (else: it has already completed)
+            self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+            if internal_id:
+                _count_up(self._counted, key)
         if internal_id:
             self._routed_to[internal_id] = replica_id
             while len(self._routed_to) > MAX_TRACKED_REQUESTS:
@@ -228,6 +258,11 @@ class PrefixAffinityRouter(RequestRouter):
             self.breaker.refused(replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        key = (internal_request_id, replica_id)
+        if internal_request_id and not _count_down(self._counted, key):
+            # Not routed there (yet): a completion that came first, or a request the replica refused.
+            _count_up(self._completed_first, key)
+            return
         if self.in_flight.get(replica_id, 0) > 0:
             self.in_flight[replica_id] -= 1
 
