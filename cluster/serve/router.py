@@ -80,10 +80,11 @@ logger = logging.getLogger(__name__)
 MAX_TRACKED_REQUESTS = 65536
 
 
-def _count_up(table: OrderedDict, key: Any) -> None:
-    """One more of `key` in a bounded insertion-ordered multiset (the oldest keys go first)."""
+def _count_up(table: OrderedDict, key: Any, bounded: bool = False) -> None:
+    """One more of `key` in an insertion-ordered multiset; `bounded`: past MAX_TRACKED_REQUESTS keys the
+    oldest go."""
     table[key] = table.get(key, 0) + 1
-    while len(table) > MAX_TRACKED_REQUESTS:
+    while bounded and len(table) > MAX_TRACKED_REQUESTS:
         table.popitem(last=False)
 
 
@@ -132,7 +133,9 @@ class PrefixAffinityRouter(RequestRouter):
         # before they were routed. Serve registers a request's completion callback before it awaits the
         # replica's acceptance, and calls `on_request_routed` only then: a short call (an engine's `ready()`)
         # can complete first. Counted naively, it stayed in flight forever and its replica lost every tie of
-        # the two-choice draw (a test's ten tenants all went to the other engine).
+        # the two-choice draw (a test's ten tenants all went to the other engine). Every routed request
+        # completes (Serve's contract), so `_counted` holds only what is in flight; refused requests, which
+        # are never routed where they completed, would pile up in `_completed_first`: it is bounded.
         self._counted: OrderedDict[tuple[str, ReplicaID], int] = OrderedDict()
         self._completed_first: OrderedDict[tuple[str, ReplicaID], int] = OrderedDict()
         register(self._deployment_id.app_name, self._deployment_id.name, self)
@@ -261,7 +264,7 @@ class PrefixAffinityRouter(RequestRouter):
         key = (internal_request_id, replica_id)
         if internal_request_id and not _count_down(self._counted, key):
             # Not routed there (yet): a completion that came first, or a request the replica refused.
-            _count_up(self._completed_first, key)
+            _count_up(self._completed_first, key, bounded=True)
             return
         if self.in_flight.get(replica_id, 0) > 0:
             self.in_flight[replica_id] -= 1
