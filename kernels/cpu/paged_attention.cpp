@@ -608,7 +608,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
         vec16 maxes = vec16{} - std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; j += kLanes) {  // lane-wise: a scalar max is one long dependency chain
           const vec16 x = load16(sc + j);
-          maxes = x > maxes ? x : maxes;
+          maxes = pagedserve_cpu::max16(x, maxes);
         }
         float m = maxes[0];
         for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, maxes[l]);

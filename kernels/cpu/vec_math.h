@@ -20,6 +20,39 @@ using i32x16 = int32_t __attribute__((vector_size(64)));
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 using u16x16 = uint16_t __attribute__((vector_size(32)));
 using f16x16 = _Float16 __attribute__((vector_size(32)));
+using vec8 = float __attribute__((vector_size(32)));
+using i32x8 = int32_t __attribute__((vector_size(32)));
+using u32x8 = uint32_t __attribute__((vector_size(32)));
+
+// Where a 64-byte vector is not one register (AVX2), GCC lowers arithmetic on vec16 to two 8-float
+// instructions but a comparison or a `?:` select on it to 16 scalar compares and branches (about 20x
+// slower: SiLU-and-mul took 6 ns a float). Code that compares therefore runs on native-width halves there:
+// `lanewise(f, v...)` applies a function written for any vector width to 16 floats at once on AVX-512 and
+// to each 8-float half on narrower machines; the lanes compute the same either way.
+#if defined(__AVX512F__)
+template <typename F, typename... V>
+static inline vec16 lanewise(F f, V... v) {
+  return f(v...);
+}
+#else
+template <typename F, typename... V>
+static inline vec16 lanewise(F f, V... v) {
+  const vec8 lo = f(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)...);
+  const vec8 hi = f(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)...);
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#endif
+
+// The integer vectors of the same width as a float vector (vec8 -> i32x8 / u32x8, vec16 -> i32x16 / u32x16).
+template <typename V>
+using int_vec_of = std::conditional_t<sizeof(V) == sizeof(vec8), i32x8, i32x16>;
+template <typename V>
+using uint_vec_of = std::conditional_t<sizeof(V) == sizeof(vec8), u32x8, u32x16>;
+
+// Lane-wise max as `a > b ? a : b` (a NaN in `a` gives `b`).
+static inline vec16 max16(vec16 a, vec16 b) {
+  return lanewise([](auto x, auto y) { return x > y ? x : y; }, a, b);
+}
 
 // 16 elements widened to float (bf16: the 16 bits are the top half of the float).
 static inline vec16 load16(const float* p) {
@@ -48,11 +81,20 @@ static inline vec16 load16(const c10::Half* p) {
 static inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 static inline void store16(c10::BFloat16* p, vec16 v) {
+  // The rounded bits sit in the low half of each float lane (a NaN lane gets the quiet NaN).
+  const vec16 rounded = lanewise([](auto x) {
+    using U = uint_vec_of<decltype(x)>;
+    U bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    const U r = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    const U out = x != x ? U{} + 0x7FC0u : r;
+    decltype(x) as_float;
+    std::memcpy(&as_float, &out, sizeof(out));
+    return as_float;
+  }, v);
   u32x16 bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  rounded = v != v ? u32x16{} + 0x7FC0u : rounded;
-  const u16x16 h = __builtin_convertvector(rounded, u16x16);
+  std::memcpy(&bits, &rounded, sizeof(bits));
+  const u16x16 h = __builtin_convertvector(bits, u16x16);
   std::memcpy(static_cast<void*>(p), &h, sizeof(h));
 }
 
@@ -77,28 +119,34 @@ static inline vec16 round16(vec16 v) {
 // correctly rounded result over the whole range (measured against double exp). A scalar expf per element
 // is most of the time of the ops that need one (attention scores, SiLU).
 // Inputs at or below -87.3 give 0 (no denormals); inputs at or above 88.37 give +inf.
-static inline vec16 exp16(vec16 x) {
-  const vec16 lo = vec16{} - 87.3365447505531f, hi = vec16{} + 88.3762626647949f;
+template <typename V>
+static inline V exp_lanes(V x) {
+  using I = int_vec_of<V>;
+  const V lo = V{} - 87.3365447505531f, hi = V{} + 88.3762626647949f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const vec16 clamped = x;
-  vec16 fx = x * 1.44269504088896341f + 0.5f;  // floor(x / ln 2 + 0.5)
-  const vec16 truncated = __builtin_convertvector(__builtin_convertvector(fx, i32x16), vec16);
+  const V clamped = x;
+  V fx = x * 1.44269504088896341f + 0.5f;  // floor(x / ln 2 + 0.5)
+  const V truncated = __builtin_convertvector(__builtin_convertvector(fx, I), V);
   fx = truncated > fx ? truncated - 1.f : truncated;
   x = x - fx * 0.693359375f - fx * -2.12194440e-4f;
-  vec16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+  V y = x * 1.9875691500e-4f + 1.3981999507e-3f;
   y = y * x + 8.3334519073e-3f;
   y = y * x + 4.1665795894e-2f;
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * (x * x) + x + 1.f;
-  const i32x16 n = __builtin_convertvector(fx, i32x16);
+  const I n = __builtin_convertvector(fx, I);
   // 2^n; n = -126 at the lower clamp, so the exponent stays >= 1.
-  const i32x16 bits = (n + 127) << 23;
-  vec16 scale;
+  const I bits = (n + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  const vec16 result = y * scale;
-  return clamped <= lo ? vec16{} : (clamped >= hi ? vec16{} + __builtin_inff() : result);
+  const V result = y * scale;
+  return clamped <= lo ? V{} : (clamped >= hi ? V{} + __builtin_inff() : result);
+}
+
+static inline vec16 exp16(vec16 x) {
+  return lanewise([](auto v) { return exp_lanes(v); }, x);
 }
 
 }  // namespace pagedserve_cpu
