@@ -501,8 +501,22 @@ inline float hsum8(__m256 v) {
 // of 2.6-2.8 on two threads, and `bench latency` batch-1 decode 11.8-12.8 ms a token instead of 13.1-15.3.
 // The 4-bit types gained nothing from it (Q4_0) or lost a third (Q4_1, whose min adds a multiply-add per
 // eight weights): they stay factored.
-template <int64_t QT>
-constexpr bool kScaledBlocks = QT == Q8_0;
+// One row of x is the exception: there a Q8_0 block's scale costs one multiply-add either way, and the
+// factored loop over one W row at a time (`kRowsInFlight`) with W prefetched eight rows ahead streams
+// faster from memory: the default model's LM head on two threads (a standalone copy of both loops, the
+// 30 MB weight from DRAM, interleaved): 1.50-1.74 ms factored against 1.91-2.39 scaled over four rows;
+// scaled over one row, or factored over four, gained nothing. The op itself, three interleaved pairs on a
+// noisy Zen 3 guest: 1.74-1.87 ms against 1.77-2.59 (one thread 3.0-3.3 against 3.4-4.9). The 4-bit types measured no better over one
+// row (Q4_1: 1.74 against 1.56 ms on a 49152 x 576 matrix).
+template <int64_t QT, int MT>
+constexpr bool kScaledBlocks = QT == Q8_0 && MT > 1;
+
+// W rows multiplied together by the AVX2 loops (each block's integers reused across MT rows of x), and
+// how many W rows ahead they prefetch.
+template <int64_t QT, int MT>
+constexpr int kRowsInFlight = MT > 1 ? 2 : (QT == Q8_0 ? 1 : 4);
+template <int64_t QT, int MT>
+constexpr int64_t kAheadRows = QT == Q8_0 && MT == 1 ? 8 : kPrefetchRows * kRowsInFlight<QT, MT>;
 
 // As the AVX-512 rows_factored: out[m, n .. n + NR) for MT rows of x, the block's integers taken once per
 // W row and multiplied into every row of x (x read from memory by the multiply-adds: 16 registers);
@@ -520,15 +534,15 @@ inline void rows_factored_blocks(const float* x, const float* sums, int64_t K, c
   for (int64_t b = 0; b < nb; ++b) {
     for (int r = 0; r < NR; ++r) {
       const uint8_t* blk = w + (n + r) * row_bytes + b * kBytes;
-      if ((b * kBytes) / 64 != ((b + 1) * kBytes) / 64)  // the row group after next (see the AVX-512 loop)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * NR * row_bytes), _MM_HINT_T0);
+      if ((b * kBytes) / 64 != ((b + 1) * kBytes) / 64)  // kAheadRows on (see the AVX-512 loop)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kAheadRows<QT, MT> * row_bytes), _MM_HINT_T0);
       int32_t scales;  // d (and m) as float16
       std::memcpy(&scales, blk, 4);
       const __m128 scales_f32 = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));
       __m256 v[4];
       Ints<QT>::get(blk, 0, v);
       __m256 d;
-      if constexpr (kScaledBlocks<QT>) {  // (d from the register: the form measured above)
+      if constexpr (kScaledBlocks<QT, MT>) {  // (d from the register: the form measured above)
         d = _mm256_broadcastss_ps(scales_f32);
         for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], d);
       } else {
@@ -537,7 +551,7 @@ inline void rows_factored_blocks(const float* x, const float* sums, int64_t K, c
       }
       for (int m = 0; m < MT; ++m) {
         const float* xb = x + m * K + b * kBlock;
-        if constexpr (kScaledBlocks<QT>) {
+        if constexpr (kScaledBlocks<QT, MT>) {
           acc[r][m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), acc[r][m]);
           acc[r][m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), acc[r][m]);
           acc[r][m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), acc[r][m]);
@@ -613,7 +627,7 @@ inline void rows_factored(const float* x, const float* sums, int64_t K, const ui
 template <int64_t QT, int MT>
 void rows_range_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
                          int64_t n1, float* out, int64_t N) {
-  constexpr int NR = MT == 1 ? 4 : 2;
+  constexpr int NR = kRowsInFlight<QT, MT>;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) rows_factored<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
   for (; n < n1; ++n) rows_factored<QT, MT, 1>(x, sums, K, w, row_bytes, n, out, N);
@@ -729,7 +743,7 @@ inline void rows_factored(const float* x, const float* sums, int64_t K, const ui
 template <int64_t QT, int MT>
 void rows_range_factored(const float* x, const float* sums, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
                          int64_t n1, float* out, int64_t N) {
-  constexpr int NR = MT == 1 ? 4 : 2;
+  constexpr int NR = kRowsInFlight<QT, MT>;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) rows_factored<QT, MT, NR>(x, sums, K, w, row_bytes, n, out, N);
   for (; n < n1; ++n) rows_factored<QT, MT, 1>(x, sums, K, w, row_bytes, n, out, N);
