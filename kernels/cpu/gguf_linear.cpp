@@ -506,8 +506,8 @@ inline float hsum8(__m256 v) {
 // faster from memory: the default model's LM head on two threads (a standalone copy of both loops, the
 // 30 MB weight from DRAM, interleaved): 1.50-1.74 ms factored against 1.91-2.39 scaled over four rows;
 // scaled over one row, or factored over four, gained nothing. The op itself, three interleaved pairs on a
-// noisy Zen 3 guest: 1.74-1.87 ms against 1.77-2.59 (one thread 3.0-3.3 against 3.4-4.9). The 4-bit types measured no better over one
-// row (Q4_1: 1.74 against 1.56 ms on a 49152 x 576 matrix).
+// noisy Zen 3 guest: 1.74-1.87 ms against 1.77-2.59 (one thread 3.0-3.3 against 3.4-4.9). The 4-bit types
+// measured no better over one row (Q4_1: 1.74 against 1.56 ms on a 49152 x 576 matrix).
 template <int64_t QT, int MT>
 constexpr bool kScaledBlocks = QT == Q8_0 && MT > 1;
 

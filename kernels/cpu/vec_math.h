@@ -25,8 +25,8 @@ using i32x8 = int32_t __attribute__((vector_size(32)));
 using u32x8 = uint32_t __attribute__((vector_size(32)));
 
 // Where a 64-byte vector is not one register (AVX2), GCC lowers arithmetic on vec16 to two 8-float
-// instructions but a comparison or a `?:` select on it to 16 scalar compares and branches (about 20x
-// slower: SiLU-and-mul took 6 ns a float). Code that compares therefore runs on native-width halves there:
+// instructions but a comparison or a `?:` select on it to 16 scalar compares and branches (SiLU-and-mul,
+// through exp16, took 6 ns a float: 7x its time on halves). Code that compares runs on native-width halves:
 // `lanewise(f, v...)` applies a function written for any vector width to 16 floats at once on AVX-512 and
 // to each 8-float half on narrower machines; the lanes compute the same either way.
 #if defined(__AVX512F__)
