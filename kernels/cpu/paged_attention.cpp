@@ -36,6 +36,7 @@ namespace {
 using pagedserve_cpu::exp16;
 using pagedserve_cpu::load16;
 using pagedserve_cpu::vec16;
+using pagedserve_cpu::vec8;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool kAvx512Path = true;  // the AVX-512 path below is compiled in
@@ -53,7 +54,6 @@ constexpr int64_t kInlineWork = 1 << 17;
 // single-thread work (one sequence of ~450 tokens on the default model's shapes).
 constexpr int64_t kInlineWorkAvx512 = 1 << 18;
 
-using vec8 = float __attribute__((vector_size(32)));
 using vec4 = float __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 16;
 
