@@ -2,8 +2,9 @@
 
 The engine steps on a dedicated background thread (torch releases the GIL in its
 kernels, so the event loop stays responsive). Callers talk to it through a command
-queue; each request's outputs flow back into its own asyncio queue. All engine
-state is touched by the engine thread only.
+queue; each request's outputs flow back into its own asyncio queue, a step's outputs
+handed to each event loop in one call. All engine state is touched by the engine
+thread only.
 
 The engine is also built on that thread (model load, warm-up, KV sizing), so that on CPU every
 parallel region of its life runs from one thread. OpenMP (libgomp) keeps a thread pool per thread
@@ -58,6 +59,16 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     coalescer: DeltaCoalescer | None = None  # a DELTA stream with stream_interval > 1 (engine thread only)
+
+
+# A step's outputs by the event loop they go to: (the stream's queue, the output) in delivery order.
+_Outbox = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]]
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    """On the event loop: a step's outputs into their streams' queues, in order."""
+    for stream_queue, item in items:
+        stream_queue.put_nowait(item)
 
 
 @dataclass
@@ -294,7 +305,9 @@ class AsyncLLM:
         if self._dead_error is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead_error!r}")
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, outbox: _Outbox | None = None) -> None:
+        """Route one output (or a failure) to its request's stream: now, or into `outbox` (a step's
+        outputs, handed to each event loop in one call by `_send`)."""
         stream = self._streams.get(request_id)
         if stream is None:
             return
@@ -304,19 +317,33 @@ class AsyncLLM:
             if isinstance(item, BaseException) or item.error is not None:  # what was held goes out before the error
                 held = stream.coalescer.flush()
                 if held is not None:
-                    self._put(stream, held)
+                    self._put(stream, held, outbox)
             else:
                 item = stream.coalescer.push(item)  # type: ignore[assignment]
                 if item is None:
                     return  # held: sent with a later output
-        self._put(stream, item)
+        self._put(stream, item, outbox)
 
     @staticmethod
-    def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    def _put(stream: _Stream, item: RequestOutput | BaseException, outbox: _Outbox | None = None) -> None:
+        if outbox is not None:
+            outbox.setdefault(stream.loop, []).append((stream.queue, item))
+            return
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is gone
             pass
+
+    @staticmethod
+    def _send(outbox: _Outbox) -> None:
+        """One wake-up per event loop for a whole step's outputs, not one per request: at 64 streams a
+        step otherwise wrote the loop's self-pipe up to 64 times and woke it as often, each wake-up
+        a chance to preempt an engine thread on a machine whose cores the engine fills."""
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's event loop is gone
+                pass
 
     def _handle_command(self, command: tuple) -> bool:
         kind, payload, future = command
@@ -385,8 +412,12 @@ class AsyncLLM:
                 if idle:  # a prefill producer frees released / expired KV holds even with no work
                     self.engine.free_released_kv()
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        self._deliver(output.request_id, output)
+                    outbox: _Outbox = {}
+                    try:
+                        for output in self.engine.step():
+                            self._deliver(output.request_id, output, outbox)
+                    finally:  # what was made goes out before any failure is delivered
+                        self._send(outbox)
                     if self.engine.engine_core.executor.is_failed:
                         # Its workers are gone: every later step would fail too. Stop, so that the
                         # waiting requests fail now and a supervisor (the engine actor) can restart us.

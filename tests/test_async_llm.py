@@ -297,3 +297,34 @@ def test_what_building_the_engine_raises_is_raised_in_the_caller(tiny_llama):
     config = EngineConfig(model=str(tiny_llama), dtype="float32", block_size=4, kv_cache_memory="1KiB")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         AsyncLLM(config)
+
+
+def test_a_steps_outputs_reach_the_event_loop_in_one_hand_over(async_llm, tiny_llama, monkeypatch):
+    """Concurrent streams' outputs of one engine step go to their event loop in one call (one wake-up of
+    the loop, not one per request), each stream's outputs in order and complete."""
+    import pagedserve.engine.async_llm as async_llm_module
+
+    hand_overs: list[list[str]] = []
+    original = async_llm_module._put_all
+
+    def recording(items):
+        hand_overs.append([item.request_id for _, item in items if not isinstance(item, BaseException)])
+        original(items)
+
+    monkeypatch.setattr(async_llm_module, "_put_all", recording)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [f"item {i} of the list" for i in range(6)]
+
+    async def run():
+        return await asyncio.gather(*[_collect(async_llm, p, params, request_id=f"hand-{i}")
+                                      for i, p in enumerate(prompts)])
+
+    results = asyncio.run(run())
+    expected = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="8MiB").generate(
+        prompts, params, use_tqdm=False)
+    for (_, tokens, finals), exp in zip(results, expected):
+        assert tokens == exp.outputs[0].token_ids and finals == ["length"]
+    ours = [ids for ids in hand_overs if any(i.startswith("hand-") for i in ids)]
+    assert sum(len(ids) for ids in ours) == 6 * 16  # every delta, each in exactly one hand-over
+    assert max(len(set(ids)) for ids in ours) == 6  # steps where all six decoded went out together
+    assert len(ours) < 6 * 16 / 2
