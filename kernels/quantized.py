@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.cpu.build import cpu_ops_available
 from pagedserve.kernels.torch_impl.gguf_quant import (
     GGUF_QUANT_TYPES,
     dequantize_gguf,
     gguf_linear_cpu,
     row_bytes,
 )
+
+
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check(weight: torch.Tensor, qtype: str, in_features: int) -> None:
@@ -38,6 +42,10 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: str, in_features: 
 
 
 def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` of W [vocab, dim] (``qtype`` blocks) dequantized to ``dtype``: [*ids.shape, dim]."""
+    """Rows ``ids`` of W [vocab, dim] (``qtype`` blocks) dequantized to ``dtype``: [*ids.shape, dim]. On CPU
+    the compiled op where it built (the same values; the twin's ~10 tensor ops cost more than a decode
+    step's lookup itself), else the twin."""
     _check(weight, qtype, dim)
+    if not weight.is_cuda and dtype in _COMPILED_DTYPES and cpu_ops_available():
+        return torch.ops.pagedserve.gguf_embedding(ids, weight, GGUF_QUANT_TYPES[qtype][0], dim, dtype)
     return dequantize_gguf(weight[ids], qtype, dtype)

@@ -9,6 +9,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("gguf_linear(Tensor x, Tensor weight, int qtype, int in_features) -> Tensor");
+  m.def("gguf_embedding(Tensor ids, Tensor weight, int qtype, int dim, ScalarType dtype) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, "

@@ -257,3 +257,30 @@ def test_tensor_parallel_slices_of_a_quantized_weight(qtype):
     assert isinstance(split, torch.Tensor) and torch.equal(split, deq[:, 16:80])
     order = np.array([3, 1, 2, 0] + list(range(4, 12)))
     assert torch.equal(weight.take_rows(order).dequantize(torch.float32), deq[order])
+
+
+@pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_embedding_lookup_gives_the_twins_rows(qtype, dtype):
+    """The compiled lookup (kernels.gguf_embedding on CPU) returns, bit for bit, the rows the torch twin
+    dequantizes, for any ids shape and integer dtype, repeated ids included."""
+    dim = width(qtype, 96)
+    raw, deq = quantized(qtype, 23, dim, seed=5)
+    for ids in (torch.tensor([0, 1, 22, 7, 7]), torch.tensor([[3, 0, 1], [22, 22, 5]], dtype=torch.int32),
+                torch.tensor(11)):
+        out = kernels.gguf_embedding(ids, raw, qtype, dim, dtype)
+        twin = gguf_quant.dequantize_gguf(raw[ids.long()], qtype, dtype)
+        assert out.shape == (*ids.shape, dim) and out.dtype == dtype
+        assert torch.equal(out, twin)
+        if dtype == torch.float32:
+            assert torch.equal(out, deq[ids.long()])
+    assert kernels.gguf_embedding(torch.tensor([], dtype=torch.long), raw, qtype, dim, dtype).shape == (0, dim)
+
+
+@pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
+def test_compiled_embedding_lookup_refuses_ids_out_of_range():
+    raw, _ = quantized("Q8_0", 4, 64)
+    for bad in ([0, 4], [-1]):
+        with pytest.raises(IndexError, match="out of range"):
+            kernels.gguf_embedding(torch.tensor(bad), raw, "Q8_0", 64, torch.float32)
