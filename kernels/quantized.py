@@ -46,6 +46,6 @@ def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, qtype: str, dim: int
     the compiled op where it built (the same values; the twin's ~10 tensor ops cost more than a decode
     step's lookup itself), else the twin."""
     _check(weight, qtype, dim)
-    if not weight.is_cuda and dtype in _COMPILED_DTYPES and cpu_ops_available():
+    if weight.device.type == "cpu" and dtype in _COMPILED_DTYPES and cpu_ops_available():
         return torch.ops.pagedserve.gguf_embedding(ids, weight, GGUF_QUANT_TYPES[qtype][0], dim, dtype)
     return dequantize_gguf(weight[ids], qtype, dtype)
