@@ -263,19 +263,25 @@ def test_tensor_parallel_slices_of_a_quantized_weight(qtype):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_embedding_lookup_gives_the_twins_rows(qtype, dtype):
-    """The compiled lookup (kernels.gguf_embedding on CPU) returns, bit for bit, the rows the torch twin
-    dequantizes, for any ids shape and integer dtype, repeated ids included."""
+    """The compiled lookup returns, bit for bit, the rows the torch twin dequantizes, for any ids shape and
+    integer dtype, repeated ids included, and `kernels.gguf_embedding` takes it on the CPU. Bit for bit on
+    every path: a scale times a block's integer is exact in float32 (an f16 scale, times at most 6-bit
+    sub-scales and 6-bit integers: under 24 significant bits), so whether a path fuses it with the min's
+    add (the vector paths do) or not (the twin), the one rounding is the add's."""
     dim = width(qtype, 96)
     raw, deq = quantized(qtype, 23, dim, seed=5)
+    code = GGUF_QUANT_TYPES[qtype][0]
     for ids in (torch.tensor([0, 1, 22, 7, 7]), torch.tensor([[3, 0, 1], [22, 22, 5]], dtype=torch.int32),
                 torch.tensor(11)):
-        out = kernels.gguf_embedding(ids, raw, qtype, dim, dtype)
+        out = torch.ops.pagedserve.gguf_embedding(ids, raw, code, dim, dtype)
         twin = gguf_quant.dequantize_gguf(raw[ids.long()], qtype, dtype)
         assert out.shape == (*ids.shape, dim) and out.dtype == dtype
+        assert torch.equal(kernels.gguf_embedding(ids, raw, qtype, dim, dtype), out)
         assert torch.equal(out, twin)
         if dtype == torch.float32:
-            assert torch.equal(out, deq[ids.long()])
-    assert kernels.gguf_embedding(torch.tensor([], dtype=torch.long), raw, qtype, dim, dtype).shape == (0, dim)
+            assert torch.equal(out, deq[ids.long()])  # the gguf package's dequantization
+    empty = torch.ops.pagedserve.gguf_embedding(torch.tensor([], dtype=torch.long), raw, code, dim, dtype)
+    assert empty.shape == (0, dim)
 
 
 @pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
