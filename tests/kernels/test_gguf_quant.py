@@ -266,7 +266,7 @@ def test_compiled_embedding_lookup_gives_the_twins_rows(qtype, dtype):
     """The compiled lookup returns, bit for bit, the rows the torch twin dequantizes, for any ids shape and
     integer dtype, repeated ids included, and `kernels.gguf_embedding` takes it on the CPU. Bit for bit on
     every path: a scale times a block's integer is exact in float32 (an f16 scale's 11 significant bits,
-    times a K-quant sub-scale of at most 8 bits and an integer of at most 6: at most 24), so whether a
+    times a K-quant sub-scale's at most 7 and an integer's at most 6: at most 24), so whether a
     path fuses it with the min's add (the vector paths do) or not (the twin), the one rounding is the add's."""
     dim = width(qtype, 96)
     raw, deq = quantized(qtype, 23, dim, seed=5)
