@@ -127,9 +127,10 @@ def dequantize_gguf(raw: torch.Tensor, qtype: str, dtype: torch.dtype = torch.fl
         raise ValueError(f"weight: expected uint8 rows of whole {qtype} blocks ({bb} bytes), got "
                          f"{raw.dtype} with {raw.shape[-1]} bytes per row")
     lead = raw.shape[:-1]
+    width = raw.shape[-1] // bb * block_elements(qtype)  # named, not -1: no rows (lead has a 0) is valid
     blocks = raw.reshape(*lead, raw.shape[-1] // bb, bb)
     if qtype.endswith("_K"):
-        return _dequantize_k(blocks, qtype).reshape(*lead, -1).to(dtype)
+        return _dequantize_k(blocks, qtype).reshape(*lead, width).to(dtype)
     d = _f16(blocks, 0)
     if qtype == "Q8_0":
         w = blocks[..., 2:].contiguous().view(torch.int8).float() * d
@@ -143,7 +144,7 @@ def dequantize_gguf(raw: torch.Tensor, qtype: str, dtype: torch.dtype = torch.fl
     else:  # Q5_1
         q = _nibbles(blocks[..., 8:]) | _high_bits(blocks, 4)
         w = d * q.float() + _f16(blocks, 2)
-    return w.reshape(*lead, -1).to(dtype)
+    return w.reshape(*lead, width).to(dtype)
 
 
 def gguf_linear_torch(x: torch.Tensor, weight: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:

@@ -280,8 +280,9 @@ def test_compiled_embedding_lookup_gives_the_twins_rows(qtype, dtype):
         assert torch.equal(out, twin)
         if dtype == torch.float32:
             assert torch.equal(out, deq[ids.long()])  # the gguf package's dequantization
-    empty = torch.ops.pagedserve.gguf_embedding(torch.tensor([], dtype=torch.long), raw, code, dim, dtype)
-    assert empty.shape == (0, dim)
+    none = torch.tensor([], dtype=torch.long)
+    empty = torch.ops.pagedserve.gguf_embedding(none, raw, code, dim, dtype)
+    assert empty.shape == gguf_quant.dequantize_gguf(raw[none], qtype, dtype).shape == (0, dim)
 
 
 @pytest.mark.skipif(not cpu_ops_available(), reason="compiled CPU ops did not build")
