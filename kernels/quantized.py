@@ -11,14 +11,12 @@ import torch
 
 from pagedserve.kernels.cpu.build import cpu_ops_available
 from pagedserve.kernels.torch_impl.gguf_quant import (
+    COMPILED_DTYPES,
     GGUF_QUANT_TYPES,
     dequantize_gguf,
     gguf_linear_cpu,
     row_bytes,
 )
-
-
-_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check(weight: torch.Tensor, qtype: str, in_features: int) -> None:
@@ -46,6 +44,6 @@ def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, qtype: str, dim: int
     the compiled op where it built (the same values; the twin's ~10 tensor ops cost more than a decode
     step's lookup itself), else the twin."""
     _check(weight, qtype, dim)
-    if weight.device.type == "cpu" and dtype in _COMPILED_DTYPES and cpu_ops_available():
+    if weight.device.type == "cpu" and dtype in COMPILED_DTYPES and cpu_ops_available():
         return torch.ops.pagedserve.gguf_embedding(ids, weight, GGUF_QUANT_TYPES[qtype][0], dim, dtype)
     return dequantize_gguf(weight[ids], qtype, dtype)

@@ -1216,8 +1216,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, int64_t N) {
   return out;
 }
 
-// (bytes, elements) of one block of qtype.
-std::pair<int64_t, int64_t> block_shape(int64_t qtype) {
+// (bytes, elements) of one block of qtype; `op` names the caller in the error for any other type.
+std::pair<int64_t, int64_t> block_shape(const char* op, int64_t qtype) {
   switch (qtype) {
 #define PAGEDSERVE_SHAPE(T) \
   case T:                   \
@@ -1225,20 +1225,25 @@ std::pair<int64_t, int64_t> block_shape(int64_t qtype) {
     PAGEDSERVE_SHAPE(Q4_0) PAGEDSERVE_SHAPE(Q4_1) PAGEDSERVE_SHAPE(Q5_0) PAGEDSERVE_SHAPE(Q5_1)
     PAGEDSERVE_SHAPE(Q8_0) PAGEDSERVE_SHAPE(Q4_K) PAGEDSERVE_SHAPE(Q5_K) PAGEDSERVE_SHAPE(Q6_K)
 #undef PAGEDSERVE_SHAPE
-    default: TORCH_CHECK(false, "gguf_linear (CPU op): unsupported GGML quant type ", qtype);
+    default: TORCH_CHECK(false, op, " (CPU op): unsupported GGML quant type ", qtype);
   }
   return {0, 0};
 }
 
+// An op's weight: uint8 rows [N, K / elements * bytes] of qtype's blocks, K (named `what`) whole blocks.
+void check_weight(const char* op, const at::Tensor& weight, int64_t qtype, const char* what, int64_t K) {
+  TORCH_CHECK(weight.device().is_cpu(), op, " (CPU op): tensors must be on the CPU");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, op, ": weight must be uint8 [N, bytes]");
+  const auto [bytes, elements] = block_shape(op, qtype);
+  TORCH_CHECK(K > 0 && K % elements == 0, op, ": ", what, " must be a multiple of ", elements);
+  TORCH_CHECK(weight.size(1) == K / elements * bytes,
+              op, ": weight rows of ", weight.size(1), " bytes do not hold ", K, " elements");
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gguf_linear (CPU op): tensors must be on the CPU");
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, "gguf_linear: weight must be uint8 [N, bytes]");
-  const auto [bytes, elements] = block_shape(qtype);
-  TORCH_CHECK(in_features > 0 && in_features % elements == 0, "gguf_linear: in_features must be a multiple of ",
-              elements);
+  TORCH_CHECK(x.device().is_cpu(), "gguf_linear (CPU op): tensors must be on the CPU");
+  check_weight("gguf_linear", weight, qtype, "in_features", in_features);
   TORCH_CHECK(x.size(-1) == in_features, "gguf_linear: x has ", x.size(-1), " features, the weight ", in_features);
-  TORCH_CHECK(weight.size(1) == in_features / elements * bytes,
-              "gguf_linear: weight rows of ", weight.size(1), " bytes do not hold ", in_features, " elements");
   const at::Tensor w = weight.contiguous();
   const bool flat = x.dim() == 2 && x.is_contiguous();  // the usual case: no reshape or view around the call
   const at::Tensor x2 = flat ? x : x.reshape({-1, in_features}).contiguous();
@@ -1260,9 +1265,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
   return out.view(shape);
 }
 
-// Rows `ids` of W dequantized into `dtype` (an embedding lookup: a GGUF token_embd kept quantized):
-// [*ids.shape, K], each row the values dequantize_gguf gives (dequant_tile's row code). The torch twin ran
-// ~10 tensor ops a call (~50 us, ~1.5% of the default model's batch-1 decode step under py-spy).
+// Rows `ids` of W dequantized into out's dtype (an embedding lookup: a GGUF token_embd kept quantized):
+// each row the values dequantize_gguf gives (dequant_tile's row code). The torch twin ran ~10 tensor ops
+// a call (~50 us, ~1.5% of the default model's batch-1 decode step under py-spy).
 template <int64_t QT, typename T>
 void gather_rows(const int64_t* ids, int64_t n, const uint8_t* w, int64_t row_bytes, int64_t K, T* out) {
   const int64_t nb = K / kBlock;
@@ -1271,44 +1276,43 @@ void gather_rows(const int64_t* ids, int64_t n, const uint8_t* w, int64_t row_by
   });
 }
 
+template <int64_t QT>
+void gather(const at::Tensor& ids, const at::Tensor& w, at::Tensor& out) {
+  const int64_t* rows = ids.data_ptr<int64_t>();
+  const int64_t n = ids.numel(), K = out.size(-1), row_bytes = w.size(1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  switch (out.scalar_type()) {
+    case at::kFloat: gather_rows<QT>(rows, n, wp, row_bytes, K, out.data_ptr<float>()); break;
+    case at::kBFloat16: gather_rows<QT>(rows, n, wp, row_bytes, K, out.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: gather_rows<QT>(rows, n, wp, row_bytes, K, out.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "gguf_embedding (CPU op): unsupported dtype ", out.scalar_type());
+  }
+}
+
 at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t qtype, int64_t dim,
                           at::ScalarType dtype) {
-  TORCH_CHECK(ids.device().is_cpu() && weight.device().is_cpu(), "gguf_embedding (CPU op): tensors must be on the CPU");
+  TORCH_CHECK(ids.device().is_cpu(), "gguf_embedding (CPU op): tensors must be on the CPU");
   TORCH_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
               "gguf_embedding: ids must be integers, got ", ids.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, "gguf_embedding: weight must be uint8 [vocab, bytes]");
-  const auto [bytes, elements] = block_shape(qtype);
-  TORCH_CHECK(dim > 0 && dim % elements == 0, "gguf_embedding: dim must be a multiple of ", elements);
-  TORCH_CHECK(weight.size(1) == dim / elements * bytes,
-              "gguf_embedding: weight rows of ", weight.size(1), " bytes do not hold ", dim, " elements");
+  check_weight("gguf_embedding", weight, qtype, "dim", dim);
   const at::Tensor w = weight.contiguous();
   const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
-  const int64_t n = flat.numel(), vocab = w.size(0);
   const int64_t* rows = flat.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = 0, vocab = w.size(0); i < flat.numel(); ++i)
     TORCH_CHECK_INDEX(rows[i] >= 0 && rows[i] < vocab, "gguf_embedding: id ", rows[i], " is out of range for ", vocab,
                       " rows");
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(dim);
   at::Tensor out = at::empty(shape, weight.options().dtype(dtype));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1);
-  switch (qtype) {
-#define PAGEDSERVE_GATHER(QT)                                                                              \
-  case QT:                                                                                                 \
-    switch (dtype) {                                                                                       \
-      case at::kFloat: gather_rows<QT, float>(rows, n, wp, row_bytes, dim, out.data_ptr<float>()); break;  \
-      case at::kBFloat16:                                                                                  \
-        gather_rows<QT, c10::BFloat16>(rows, n, wp, row_bytes, dim, out.data_ptr<c10::BFloat16>());         \
-        break;                                                                                             \
-      case at::kHalf: gather_rows<QT, c10::Half>(rows, n, wp, row_bytes, dim, out.data_ptr<c10::Half>()); break; \
-      default: TORCH_CHECK(false, "gguf_embedding (CPU op): unsupported dtype ", dtype);                   \
-    }                                                                                                      \
-    break;
-    PAGEDSERVE_GATHER(Q4_0) PAGEDSERVE_GATHER(Q4_1) PAGEDSERVE_GATHER(Q5_0) PAGEDSERVE_GATHER(Q5_1)
-    PAGEDSERVE_GATHER(Q8_0) PAGEDSERVE_GATHER(Q4_K) PAGEDSERVE_GATHER(Q5_K) PAGEDSERVE_GATHER(Q6_K)
-#undef PAGEDSERVE_GATHER
-    default: TORCH_CHECK(false, "gguf_embedding (CPU op): unsupported GGML quant type ", qtype);
+  switch (qtype) {  // block_shape (in check_weight) has refused any other type
+    case Q4_0: gather<Q4_0>(flat, w, out); break;
+    case Q4_1: gather<Q4_1>(flat, w, out); break;
+    case Q5_0: gather<Q5_0>(flat, w, out); break;
+    case Q5_1: gather<Q5_1>(flat, w, out); break;
+    case Q8_0: gather<Q8_0>(flat, w, out); break;
+    case Q4_K: gather<Q4_K>(flat, w, out); break;
+    case Q5_K: gather<Q5_K>(flat, w, out); break;
+    default: gather<Q6_K>(flat, w, out); break;
   }
   return out;
 }

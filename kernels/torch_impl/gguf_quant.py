@@ -162,9 +162,13 @@ def gguf_linear_torch(x: torch.Tensor, weight: torch.Tensor, qtype: str, in_feat
     return out.reshape(*x.shape[:-1], rows)
 
 
+# Activation / result dtypes the compiled GGUF ops (kernels/cpu/gguf_linear.cpp) take.
+COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def gguf_linear_cpu(x: torch.Tensor, weight: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
     """The CPU path: the compiled op (kernels/cpu/gguf_linear.cpp) where it built, else the twin."""
-    if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_ops_available():
+    if x.dtype in COMPILED_DTYPES and cpu_ops_available():
         return torch.ops.pagedserve.gguf_linear(x, weight, GGUF_QUANT_TYPES[qtype][0], in_features)
     return gguf_linear_torch(x, weight, qtype, in_features)
 
