@@ -5,7 +5,8 @@ first, so nothing is reused) with `--output-len` tokens each (`ignore_eos`) and 
 The engine's own request metrics split it: prefill = until the last request of the batch has its first
 token; decode per token = the rest over the remaining `output_len - 1` steps. `--baseline llama-cpp`
 times llama.cpp on the same GGUF file and batch the same way (`llama_cpp_baseline`: all `--batch-size`
-sequences in one context) and prints the ratios.
+sequences in one context) and prints the ratios; with `--llama-cpp-types` also on copies of the file in
+other GGUF types, each its own row, the ratios taken against the type with the fastest decode.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the input (what n-gram speculation is for)")
     p.add_argument("--baseline", choices=["none", "llama-cpp"], default="none",
                    help="llama-cpp: also time llama.cpp on the same GGUF file and batch")
+    p.add_argument("--llama-cpp-types", default="file",
+                   help="comma-separated GGUF types llama.cpp runs the model in: file (the file as it is) and/or "
+                        "F32, F16, BF16, Q8_0 (a temporary copy stored so); the ratios are against the type with "
+                        "the fastest median decode per token (default file)")
     p.add_argument("--llama-cpp-extra-buffers", action="store_true",
                    help="let llama.cpp use its extra weight buffer types (AMX, repacked layouts); off by default")
     common.add_engine_args(p)
@@ -44,28 +49,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def llama_cpp_latency(model: str, batch: list, num_iters: int, num_warmup: int, n_threads: int | None,
-                      extra_buffers: bool = False) -> dict[str, dict[str, float]]:
+                      extra_buffers: bool = False, types: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """llama.cpp's e2e, prefill (until every sequence has its first token) and decode-per-token times of
-    the batch, over `num_iters` runs on one context (after `num_warmup`), in the latency table's shape."""
-    from pagedserve.bench.llama_cpp_baseline import LlamaCppEngine, gguf_file_of
+    the batch, over `num_iters` runs on one context (after `num_warmup`), in the latency table's shape:
+    one entry per GGUF type run (the file's own, and each of `types`), in order."""
+    from pagedserve.bench.llama_cpp_baseline import FILE_AS_IS, LlamaCppEngine, gguf_file_of, gguf_variants
 
     longest = max(len(r.prompt_token_ids) + r.output_len for r in batch)
-    engine = LlamaCppEngine(gguf_file_of(model), len(batch), longest, n_threads, extra_buffers=extra_buffers)
-    e2e, prefill, decode = [], [], []
+    by_type: dict[str, dict[str, dict[str, float]]] = {}
+    variants = gguf_variants(gguf_file_of(model), types or [FILE_AS_IS])
     try:
-        for _ in range(num_warmup):
-            engine.run(batch)
-        for _ in tqdm(range(num_iters), desc="llama.cpp iterations"):
-            result = engine.run(batch)
-            first, last = max(result.first_token_times), max(result.finish_times)
-            e2e.append(result.seconds)
-            prefill.append(first)
-            steps = batch[0].output_len - 1
-            if steps > 0:
-                decode.append((last - first) / steps)
+        for kind, path in variants:
+            engine = LlamaCppEngine(path, len(batch), longest, n_threads, extra_buffers=extra_buffers)
+            e2e, prefill, decode = [], [], []
+            try:
+                for _ in range(num_warmup):
+                    engine.run(batch)
+                for _ in tqdm(range(num_iters), desc=f"llama.cpp ({kind}) iterations"):
+                    result = engine.run(batch)
+                    first, last = max(result.first_token_times), max(result.finish_times)
+                    e2e.append(result.seconds)
+                    prefill.append(first)
+                    steps = batch[0].output_len - 1
+                    if steps > 0:
+                        decode.append((last - first) / steps)
+            finally:
+                engine.close()
+            by_type[kind] = {"e2e": rep.summarize(e2e), "prefill": rep.summarize(prefill),
+                             "decode_per_token": rep.summarize(decode)}
     finally:
-        engine.close()
-    return {"e2e": rep.summarize(e2e), "prefill": rep.summarize(prefill), "decode_per_token": rep.summarize(decode)}
+        variants.close()
+    return by_type
+
+
+def fastest_type(by_type: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The GGUF type with the lowest median decode per token (e2e where the batch decodes no step)."""
+    def key(kind: str) -> float:
+        stats = by_type[kind]
+        return (stats.get("decode_per_token") or {}).get("p50") or stats["e2e"]["p50"]
+    return min(by_type, key=key)
 
 
 def check_args(ns: argparse.Namespace) -> None:
@@ -126,9 +148,11 @@ def run(ns: argparse.Namespace) -> int:
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
+    llama_types: list[str] = []
     if ns.baseline == "llama-cpp":
-        from pagedserve.bench.llama_cpp_baseline import load_bindings
+        from pagedserve.bench.llama_cpp_baseline import load_bindings, parse_llama_cpp_types
 
+        llama_types = parse_llama_cpp_types(ns.llama_cpp_types)
         load_bindings()  # not installed: say so before pagedserve's run, not after it
     figures = common.machine(ns)
     kwargs = common.engine_kwargs(ns)
@@ -153,9 +177,9 @@ def run(ns: argparse.Namespace) -> int:
             facts = model_facts(model, ns.dtype, llm.llm_engine.config.hf_config, quantization=ns.quantization or "auto")
         finally:
             llm.shutdown()
-        baseline = (llama_cpp_latency(model, batch, ns.num_iters, ns.num_iters_warmup, ns.cpu_threads,
-                                      ns.llama_cpp_extra_buffers)
-                    if ns.baseline == "llama-cpp" else None)
+        baselines = (llama_cpp_latency(model, batch, ns.num_iters, ns.num_iters_warmup, ns.cpu_threads,
+                                       ns.llama_cpp_extra_buffers, llama_types)
+                     if ns.baseline == "llama-cpp" else {})
     e2e = [t[0] for t in times]
     prefill = [t[1] for t in times]
     decode = [t[2] for t in times if t[2] is not None]
@@ -191,12 +215,15 @@ def run(ns: argparse.Namespace) -> int:
                 host_share=host["host_share"] if host else None).to_dict()
     runs = [run_entry]
     ratios = None
-    if baseline is not None:
-        runs.append({**run_entry, "name": f"llama.cpp, {run_entry['name']}", "params": {**run_entry["params"],
-                     "engine": "llama-cpp"}, "latency_ms": baseline, "roofline": {},
-                     "duration_s": baseline["e2e"]["mean"] / 1000 * ns.num_iters,
+    for kind, stats in baselines.items():
+        runs.append({**run_entry, "name": f"llama.cpp ({kind}), {run_entry['name']}",
+                     "params": {**run_entry["params"], "engine": "llama-cpp", "gguf_type": kind},
+                     "latency_ms": stats, "roofline": {}, "duration_s": stats["e2e"]["mean"] / 1000 * ns.num_iters,
                      "throughput": rep.throughput(n, prompt_tokens, output_tokens,
-                                                  baseline["e2e"]["mean"] / 1000 * ns.num_iters)})
+                                                  stats["e2e"]["mean"] / 1000 * ns.num_iters)})
+    best_type = fastest_type(baselines) if baselines else None
+    if best_type is not None:
+        baseline = baselines[best_type]
         ratios = {key: baseline[key]["p50"] / run_entry["latency_ms"][key]["p50"]
                   for key in ("e2e", "prefill", "decode_per_token")
                   if (run_entry["latency_ms"].get(key) or {}).get("p50") and (baseline.get(key) or {}).get("p50")}
@@ -205,11 +232,12 @@ def run(ns: argparse.Namespace) -> int:
                              figures.to_dict() if figures else None,
                              {"e2e_mean_ms": run_entry["latency_ms"]["e2e"]["mean"],
                               "model_dtype": facts.dtype,
-                              **({"llama_cpp_over_pagedserve_median_time": ratios} if ratios else {})})
+                              **({"llama_cpp_over_pagedserve_median_time": ratios,
+                                  "llama_cpp_gguf_type": best_type} if ratios else {})})
     parts = [f"pagedserve bench latency: {run_entry['name']}, {ns.workload} workload, {ns.num_iters} iterations"
              + (f", speculative {ns.speculative_config}" if ns.speculative_config else ""),
              *[f"{r['name']}\n" + rep.latency_table(r) for r in runs],
-             None if not ratios else "llama.cpp time / pagedserve time (median; above 1: pagedserve faster): "
+             None if not ratios else f"llama.cpp ({best_type}) time / pagedserve time (median; above 1: pagedserve faster): "
              + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()),
              common.spec_decode_line(spec, ns.speculative_config),
              common.host_overhead_line(host, f"a decode step at batch {ns.batch_size}"),

@@ -9,20 +9,27 @@ sequence id each), every `llama_decode` call carries one token of each decoding 
 prompt tokens of newly admitted ones as fit in `n_batch` (chunked prefill), the next token is the
 argmax of that sequence's logits (greedy; every request produces exactly its output length, as in
 pagedserve's run), and a finished sequence's KV is dropped and the next request admitted (continuous
-batching). The model runs in the precision its file stores (a Q4_1 file stays Q4_1).
+batching). The model runs in the precision its file stores (a Q4_1 file stays Q4_1), and with
+`--llama-cpp-types` also in copies of the file re-stored in other GGUF types (`gguf_convert`: BF16 may be
+llama.cpp's fastest on a CPU with native bf16), each swept over the batch sizes: the fastest run of all
+is the baseline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pagedserve.bench.gguf_convert import CONVERTIBLE_TYPES, convert_gguf, gguf_file_type
 from pagedserve.bench.workload import BenchRequest
 
 INSTALL_HINT = ("llama-cpp-python is not installed: `pip install 'pagedserve[llama-cpp]'` (it builds llama.cpp "
@@ -57,6 +64,46 @@ def gguf_file_of(model: str) -> Path:
     return Path(found)
 
 
+# `--llama-cpp-types`' name for the GGUF file as it is, whatever type it stores.
+FILE_AS_IS = "file"
+
+
+def parse_llama_cpp_types(text: str) -> list[str]:
+    """`--llama-cpp-types`: comma-separated `file` and/or GGUF types a copy can be written in, in order,
+    without repeats; ValueError naming the flag otherwise."""
+    names: list[str] = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        name = FILE_AS_IS if name.lower() == FILE_AS_IS else name.upper()
+        if name != FILE_AS_IS and name not in CONVERTIBLE_TYPES:
+            raise ValueError(f"--llama-cpp-types: {raw.strip()!r} is not a type llama.cpp's copy can be written in; "
+                             f"choose from {FILE_AS_IS}, {', '.join(CONVERTIBLE_TYPES)}")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError(f"--llama-cpp-types: expected at least one of {FILE_AS_IS}, {', '.join(CONVERTIBLE_TYPES)}")
+    return names
+
+
+def gguf_variants(gguf_file: Path, types: list[str]) -> Iterator[tuple[str, Path]]:
+    """(GGUF type, file) for each of `types`: the file itself for `file` or its own type, else a copy
+    written into a temporary folder, removed once the caller asks for the next one (or closes this)."""
+    own = gguf_file_type(gguf_file)
+    seen: set[str] = set()
+    for name in types:
+        kind = own if name == FILE_AS_IS else name
+        if kind in seen:
+            continue
+        seen.add(kind)
+        if kind == own:
+            yield kind, gguf_file
+            continue
+        with tempfile.TemporaryDirectory(prefix="pagedserve-llama-cpp-") as folder:
+            yield kind, convert_gguf(gguf_file, Path(folder) / f"{gguf_file.stem}.{kind}.gguf", kind)
+
+
 @dataclass
 class _Sequence:
     seq_id: int
@@ -81,6 +128,7 @@ class LlamaCppRun:
     output_tokens: int
     first_token_times: list[float]  # seconds from the start, one per request
     finish_times: list[float]
+    gguf_type: str = ""  # the GGUF type the weights were stored in (set by `llama_cpp_baseline`)
 
 
 class LlamaCppEngine:
@@ -206,23 +254,31 @@ class LlamaCppEngine:
 
 
 def llama_cpp_baseline(model: str, workload: list[BenchRequest], batch_sizes: list[int],
-                       n_threads: int | None = None, extra_buffers: bool = False) -> tuple[LlamaCppRun, dict[int, float]]:
-    """llama.cpp over the whole workload at every batch size (each run on its own fresh context after one
-    short warm-up): the fastest run, and every size's output tokens per second."""
+                       n_threads: int | None = None, extra_buffers: bool = False,
+                       types: list[str] | None = None) -> tuple[LlamaCppRun, dict[str, dict[int, float]]]:
+    """llama.cpp over the whole workload at every batch size, in the file's own type and in each of `types`
+    (default: the file only; each run on its own fresh context after one short warm-up): the fastest
+    run, and every type's output tokens per second at every size."""
     gguf_file = gguf_file_of(model)
     load_bindings()
     max_seq_len = max(len(r.prompt_token_ids) + r.output_len for r in workload)
     best: LlamaCppRun | None = None
-    rates: dict[int, float] = {}
-    for batch_size in sorted(set(batch_sizes)):
-        engine = LlamaCppEngine(gguf_file, batch_size, max_seq_len, n_threads, extra_buffers=extra_buffers)
-        try:
-            engine.run([BenchRequest(workload[0].prompt_token_ids, 2)])  # warm-up
-            result = engine.run(workload)
-        finally:
-            engine.close()
-        rates[batch_size] = result.output_tokens / result.seconds
-        if best is None or result.seconds < best.seconds:
-            best = result
+    rates: dict[str, dict[int, float]] = {}
+    variants = gguf_variants(gguf_file, types or [FILE_AS_IS])
+    try:
+        for kind, path in variants:
+            for batch_size in sorted(set(batch_sizes)):
+                engine = LlamaCppEngine(path, batch_size, max_seq_len, n_threads, extra_buffers=extra_buffers)
+                try:
+                    engine.run([BenchRequest(workload[0].prompt_token_ids, 2)])  # warm-up
+                    result = engine.run(workload)
+                finally:
+                    engine.close()
+                result = dataclasses.replace(result, gguf_type=kind)
+                rates.setdefault(kind, {})[batch_size] = result.output_tokens / result.seconds
+                if best is None or result.seconds < best.seconds:
+                    best = result
+    finally:
+        variants.close()  # the last copy's folder goes now, not when the generator is collected
     assert best is not None
     return best, rates

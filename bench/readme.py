@@ -51,7 +51,10 @@ def render_report(report: dict[str, Any]) -> list[str]:
     cmd, cfg, env = report["command"], report["config"], report["environment"]
     model = Path(report["model"]).name
     machine = report.get("machine")
-    conditions = (f"{env['cpu_count']} CPUs, torch {env['torch']} with {env['torch_threads']} threads"
+    cpu = ", ".join(f"{label}{env[key]}" for key, label in (("cpu_model", ""), ("cpu_capability", "ISA "),
+                                                              ("cpu_bf16", "bf16 ")) if env.get(key))
+    conditions = (f"{env['cpu_count']} CPUs{f' ({cpu})' if cpu else ''}, torch {env['torch']} with "
+                  f"{env['torch_threads']} threads"
                   + (f", load average {env['load_average'][0]:.1f}" if env.get("load_average") else ""))
     if machine:
         flops = ", ".join(f"{k} {v:.3g}" for k, v in machine["matmul_gflop_s"].items())
@@ -64,7 +67,9 @@ def render_report(report: dict[str, Any]) -> list[str]:
         lines += _md_table(["batch", "e2e mean ms", "e2e p99 ms", "prefill ms", "decode ms/token", "roofline"], rows)
         versus = report["summary"].get("llama_cpp_over_pagedserve_median_time")
         if versus:
-            lines += ["", "llama.cpp time / pagedserve time (medians; above 1: pagedserve faster): "
+            kind = report["summary"].get("llama_cpp_gguf_type")
+            lines += ["", f"llama.cpp{f' ({kind})' if kind else ''} time / pagedserve time (medians; above 1: "
+                          "pagedserve faster): "
                           + ", ".join(f"{stage} **{ratio:.2f}x**" for stage, ratio in versus.items()) + "."]
     elif cmd == "throughput":
         rows = [[r["name"], r["num_requests"], r["prompt_tokens"], r["output_tokens"],
@@ -77,10 +82,13 @@ def render_report(report: dict[str, Any]) -> list[str]:
             lines += ["", f"pagedserve / HF `generate` output tokens/s: **{ratio:.2f}x**."]
         versus = report["summary"].get("ratio_vs_llama_cpp_output_tokens_per_s")
         if versus is not None:
-            swept = ", ".join(f"batch {size}: {rate:.1f}"
-                              for size, rate in report["summary"].get("llama_cpp_out_tok_s_by_batch_size", {}).items())
-            lines += ["", f"pagedserve / llama.cpp (its fastest batch size; {swept} out tok/s) output tokens/s: "
-                          f"**{versus:.2f}x**."]
+            by_type = report["summary"].get("llama_cpp_out_tok_s_by_type") or {
+                "": report["summary"].get("llama_cpp_out_tok_s_by_batch_size", {})}  # (reports before the types)
+            swept = "; ".join((f"{kind}: " if kind else "") + ", ".join(f"batch {size}: {rate:.1f}"
+                                                                        for size, rate in by_size.items())
+                              for kind, by_size in by_type.items())
+            lines += ["", f"pagedserve / llama.cpp (its fastest GGUF type and batch size; {swept} out tok/s) "
+                          f"output tokens/s: **{versus:.2f}x**."]
     else:  # serve, tune
         rows = [[r["name"], f"{r['completed']}/{r['num_requests']}", r["throughput"]["requests_per_s"],
                  r["throughput"]["output_tokens_per_s"], _lat(r, "ttft", "p50"), _lat(r, "ttft", "p99"),

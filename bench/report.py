@@ -148,7 +148,29 @@ def environment() -> dict[str, Any]:
         version = "unknown"
     return {"pagedserve": version, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count() or 0, "platform": platform.platform(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None, **cpu_features()}
+
+
+def cpu_features() -> dict[str, Any]:
+    """What a CPU figure depends on: the CPU's model name, the vector ISA torch's kernels run with
+    (`torch.backends.cpu.get_cpu_capability()`: AVX2, AVX512, ...), and how it multiplies bf16 (natively
+    with AVX-512 BF16 or AMX, else emulated: about 3x slower than float32)."""
+    import torch
+
+    from pagedserve.engine.device_limits import cpu_capabilities
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    caps = cpu_capabilities()
+    native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16")) if caps.get(flag)]
+    return {"cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16": f"native ({', '.join(native)})" if native else "emulated"}
 
 
 def make_report(command: str, model: str, config: dict[str, Any], runs: list[dict[str, Any]],

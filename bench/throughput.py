@@ -7,8 +7,9 @@ JSONL prompts or a ShareGPT JSON file). Every request produces exactly its outpu
 weights, dtype and workload in the same process, at each `--hf-batch-sizes` size (on the whole workload
 when it holds at most `--hf-calibration-prompts` requests, else on that many to pick the size that runs
 it all), and prints the ratio against the fastest. `--baseline llama-cpp` runs llama.cpp on the same GGUF
-file and workload (continuous batching at each `--llama-cpp-batch-sizes` size, `llama_cpp_baseline`);
-`--baseline hf,llama-cpp` runs both.
+file and workload (continuous batching at each `--llama-cpp-batch-sizes` size, `llama_cpp_baseline`), and
+with `--llama-cpp-types` also on copies of the file in other GGUF types (e.g. `file,BF16,F32`), the fastest
+type and size being the baseline; `--baseline hf,llama-cpp` runs both.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llama-cpp-batch-sizes", default="8,16,32",
                    help="llama.cpp sequences in flight to sweep, each over the whole workload; the fastest is "
                         "the baseline (default 8,16,32)")
+    p.add_argument("--llama-cpp-types", default="file",
+                   help="comma-separated GGUF types llama.cpp runs the model in: file (the file as it is) and/or "
+                        "F32, F16, BF16, Q8_0 (a temporary copy of the file with its weights stored so); every "
+                        "type is swept over the batch sizes and the fastest run is the baseline (default file)")
     p.add_argument("--llama-cpp-extra-buffers", action="store_true",
                    help="let llama.cpp use its extra weight buffer types (AMX, repacked layouts); off by default "
                         "(they crashed multi-token calls of llama-cpp-python 0.3.36 on an AMX machine)")
@@ -139,9 +144,11 @@ def run(ns: argparse.Namespace) -> int:
 
     candidates = parse_batch_sizes(ns.hf_batch_sizes) if "hf" in ns.baseline else []
     llama_sizes = parse_batch_sizes(ns.llama_cpp_batch_sizes, "--llama-cpp-batch-sizes") if "llama-cpp" in ns.baseline else []
+    llama_types: list[str] = []
     if llama_sizes:
-        from pagedserve.bench.llama_cpp_baseline import load_bindings
+        from pagedserve.bench.llama_cpp_baseline import load_bindings, parse_llama_cpp_types
 
+        llama_types = parse_llama_cpp_types(ns.llama_cpp_types)
         load_bindings()  # not installed: say so before pagedserve's run, not after it
     figures = common.machine(ns)
     runs: list[dict[str, Any]] = []
@@ -221,16 +228,18 @@ def run(ns: argparse.Namespace) -> int:
             from pagedserve.bench.llama_cpp_baseline import llama_cpp_baseline
 
             best, rates = llama_cpp_baseline(model, workload, llama_sizes, ns.cpu_threads,
-                                             extra_buffers=ns.llama_cpp_extra_buffers)
+                                             extra_buffers=ns.llama_cpp_extra_buffers, types=llama_types)
             runs.append({
-                "name": f"llama.cpp (batch {best.batch_size})",
-                "params": {"engine": "llama-cpp", "batch_size": best.batch_size},
+                "name": f"llama.cpp ({best.gguf_type}, batch {best.batch_size})",
+                "params": {"engine": "llama-cpp", "batch_size": best.batch_size, "gguf_type": best.gguf_type},
                 "num_requests": len(workload), "completed": len(workload), "failed": 0,
                 "prompt_tokens": prompt_tokens, "output_tokens": best.output_tokens, "duration_s": best.seconds,
                 "throughput": rep.throughput(len(workload), prompt_tokens, best.output_tokens, best.seconds),
                 "latency_ms": {"ttft": rep.summarize(best.first_token_times)}, "roofline": {},
             })
-            summary["llama_cpp_out_tok_s_by_batch_size"] = {str(bs): rate for bs, rate in rates.items()}
+            summary["llama_cpp_out_tok_s_by_batch_size"] = {str(bs): rate for bs, rate in rates[best.gguf_type].items()}
+            summary["llama_cpp_out_tok_s_by_type"] = {kind: {str(bs): rate for bs, rate in by_size.items()}
+                                                      for kind, by_size in rates.items()}
             summary["ratio_vs_llama_cpp_output_tokens_per_s"] = (ours["throughput"]["output_tokens_per_s"]
                                                                  / runs[-1]["throughput"]["output_tokens_per_s"])
     label = model if ns.random_weights is None else f"random-{ns.random_weights}"
@@ -249,8 +258,9 @@ def run(ns: argparse.Namespace) -> int:
                      f"pagedserve / HF (batch {summary['hf_batch_size']}, its fastest) output tok/s: "
                      f"{summary['ratio_output_tokens_per_s']:.2f}x")
     if "ratio_vs_llama_cpp_output_tokens_per_s" in summary:
-        swept = ", ".join(f"batch {bs}: {rate:.1f}" for bs, rate in summary["llama_cpp_out_tok_s_by_batch_size"].items())
-        parts.append(f"llama.cpp output tok/s by batch size (whole workload): {swept}\n"
+        swept = "; ".join(f"{kind}: " + ", ".join(f"batch {bs}: {rate:.1f}" for bs, rate in by_size.items())
+                          for kind, by_size in summary["llama_cpp_out_tok_s_by_type"].items())
+        parts.append(f"llama.cpp output tok/s by GGUF type and batch size (whole workload): {swept}\n"
                      f"pagedserve / llama.cpp (its fastest) output tok/s: "
                      f"{summary['ratio_vs_llama_cpp_output_tokens_per_s']:.2f}x")
     if ns.speculative_config:

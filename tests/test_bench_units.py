@@ -309,6 +309,20 @@ def test_readme_section_states_the_llama_cpp_ratios_of_the_reports_that_ran_it()
     decode = latency["summary"]["llama_cpp_over_pagedserve_median_time"]["decode_per_token"]
     assert f"decode_per_token **{decode:.2f}x**" in section
     versus = throughput["summary"]["ratio_vs_llama_cpp_output_tokens_per_s"]
-    assert "pagedserve / llama.cpp (its fastest batch size; batch 8:" in section and f"**{versus:.2f}x**" in section
+    assert "pagedserve / llama.cpp (its fastest GGUF type and batch size; batch 8:" in section and f"**{versus:.2f}x**" in section
     del latency["summary"]["llama_cpp_over_pagedserve_median_time"], throughput["summary"]["ratio_vs_llama_cpp_output_tokens_per_s"]
     assert "llama.cpp time" not in readme.render([latency]) and "pagedserve / llama.cpp" not in readme.render([throughput])
+
+
+def test_a_report_states_the_cpu_and_the_llama_cpp_types_it_compared():
+    report = rep.make_report("throughput", "/models/m.gguf", {}, [_run(name="pagedserve")], MACHINE.to_dict(),
+                             {"ratio_vs_llama_cpp_output_tokens_per_s": 2.5,
+                              "llama_cpp_out_tok_s_by_batch_size": {"8": 40.0},
+                              "llama_cpp_out_tok_s_by_type": {"Q4_1": {"8": 30.0}, "BF16": {"8": 40.0}}})
+    env = report["environment"]
+    assert env["cpu_capability"] and env["cpu_bf16"].split(" ")[0] in {"native", "emulated"}
+    env.update(cpu_model="Some CPU", cpu_capability="AVX512", cpu_bf16="native (AVX-512 BF16)")
+    section = readme.render([report])
+    assert "(Some CPU, ISA AVX512, bf16 native (AVX-512 BF16))" in section
+    assert "its fastest GGUF type and batch size; Q4_1: batch 8: 30.0; BF16: batch 8: 40.0 out tok/s" in section
+    assert "**2.50x**" in section

@@ -172,7 +172,9 @@ def test_real_llama_cpp_on_a_gguf_file(tmp_path):
     workload = [BenchRequest(list(range(10, 10 + n)), m) for n, m in ((5, 4), (17, 6), (9, 1))]
     best, rates = lcb.llama_cpp_baseline(str(gguf), workload, [1, 2])
     assert best.output_tokens == sum(r.output_len for r in workload)
-    assert set(rates) == {1, 2} and all(rate > 0 for rate in rates.values())
+    kind = lcb.gguf_file_type(gguf)
+    assert best.gguf_type == kind and list(rates) == [kind]
+    assert set(rates[kind]) == {1, 2} and all(rate > 0 for rate in rates[kind].values())
 
 
 def test_the_commands_refuse_the_baseline_before_running_when_it_is_not_installed(monkeypatch, capsys):
