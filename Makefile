@@ -54,15 +54,17 @@ bench: install
 	$(PAGEDSERVE) bench throughput --random-weights medium --dtype bfloat16 --num-prompts 256 --baseline hf \
 		--hf-batch-sizes 8,16,32,64,128 --kv-cache-memory 6GiB --output-json $(BENCH_OUT)/throughput-medium.json $(ARGS)
 
+# llama.cpp runs the file as shipped and copies of it in BF16 and F32 (its fastest on some CPUs): its best is the baseline.
+LLAMA_CPP_TYPES ?= file,BF16,F32
 # The default model (its Q4_1 GGUF file, default settings) against llama.cpp on the same file and HF transformers
 # on the same weights, in one process each: batch-1 decode, 64-request offline throughput, and the same 64
 # requests served (issue 35's workload; llama.cpp needs `pip install 'pagedserve[llama-cpp]'`).
 bench-default-model: install
 	mkdir -p $(BENCH_OUT)
 	$(PAGEDSERVE) bench latency --batch-size 1 --input-len 32 --output-len 128 --num-iters 3 --baseline llama-cpp \
-		--output-json $(BENCH_OUT)/latency-default-model.json $(ARGS)
+		--llama-cpp-types $(LLAMA_CPP_TYPES) --output-json $(BENCH_OUT)/latency-default-model.json $(ARGS)
 	$(PAGEDSERVE) bench throughput --num-prompts 64 --input-len 32:256 --output-len 32:128 --baseline hf,llama-cpp \
-		--hf-batch-sizes 16,32,64 --llama-cpp-batch-sizes 8,16,32 \
+		--hf-batch-sizes 16,32,64 --llama-cpp-batch-sizes 8,16,32 --llama-cpp-types $(LLAMA_CPP_TYPES) \
 		--output-json $(BENCH_OUT)/throughput-default-model.json $(ARGS)
 	$(PAGEDSERVE) bench serve --start-server --num-prompts 64 --input-len 32:256 --output-len 32:128 \
 		--request-rate inf --output-json $(BENCH_OUT)/serve-default-model.json $(ARGS)
