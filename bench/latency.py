@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="llama-cpp: also time llama.cpp on the same GGUF file and batch")
     p.add_argument("--llama-cpp-types", default="file",
                    help="comma-separated GGUF types llama.cpp runs the model in: file (the file as it is) and/or "
-                        "F32, F16, BF16, Q8_0 (a temporary copy stored so); the ratios are against the type with "
+                        "F32, F16, BF16, Q8_0 (a temporary copy stored so, in TMPDIR); the ratios are against the type with "
                         "the fastest median decode per token (default file)")
     p.add_argument("--llama-cpp-extra-buffers", action="store_true",
                    help="let llama.cpp use its extra weight buffer types (AMX, repacked layouts); off by default")

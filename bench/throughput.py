@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the baseline (default 8,16,32)")
     p.add_argument("--llama-cpp-types", default="file",
                    help="comma-separated GGUF types llama.cpp runs the model in: file (the file as it is) and/or "
-                        "F32, F16, BF16, Q8_0 (a temporary copy of the file with its weights stored so); every "
+                        "F32, F16, BF16, Q8_0 (a temporary copy of the file, in TMPDIR, with its weights stored so); every "
                         "type is swept over the batch sizes and the fastest run is the baseline (default file)")
     p.add_argument("--llama-cpp-extra-buffers", action="store_true",
                    help="let llama.cpp use its extra weight buffer types (AMX, repacked layouts); off by default "
