@@ -33,20 +33,42 @@ def gguf_file_type(path: Path) -> str:
     return counts.most_common(1)[0][0] if counts else "F32"
 
 
-def _store(values: np.ndarray, target: str):
-    """(array, raw_dtype) for GGUFWriter.add_tensor: float32 `values` [..., K] stored as `target`."""
+def _stored_type(shape: tuple[int, ...], target: str) -> str:
+    """The type a tensor of numpy `shape` is written in: vectors F32, matrices `target` (F16 for a Q8_0
+    copy's rows that do not fill its 32-element blocks)."""
+    if len(shape) < 2:
+        return "F32"
+    return "F16" if target == "Q8_0" and shape[-1] % 32 else target
+
+
+def _add_info(writer, name: str, shape: tuple[int, ...], kind: str) -> None:
+    """Declare a tensor of numpy `shape` stored as `kind` (its data is written later, one tensor at a time)."""
     import gguf
 
-    qtype = gguf.GGMLQuantizationType
-    if target == "F32":
-        return values.astype(np.float32), None
-    if target == "F16" or (target == "Q8_0" and values.shape[-1] % 32):
-        return values.astype(np.float16), None
-    return gguf.quants.quantize(values.astype(np.float32), qtype[target]), qtype[target]
+    count = int(np.prod(shape))
+    if kind in ("F32", "F16"):
+        dtype = np.float32 if kind == "F32" else np.float16
+        writer.add_tensor_info(name, shape, np.dtype(dtype), count * np.dtype(dtype).itemsize)
+        return
+    qtype = gguf.GGMLQuantizationType[kind]
+    byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+    writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+
+
+def _stored(values: np.ndarray, kind: str) -> np.ndarray:
+    """Float32 `values` as the bytes (or floats) of `kind`."""
+    import gguf
+
+    if kind == "F32":
+        return values.astype(np.float32)
+    if kind == "F16":
+        return values.astype(np.float16)
+    return gguf.quants.quantize(values.astype(np.float32), gguf.GGMLQuantizationType[kind])
 
 
 def convert_gguf(source: Path, destination: Path, target: str) -> Path:
-    """Write `destination`: `source` with its matrices stored as `target` (one of CONVERTIBLE_TYPES)."""
+    """Write `destination`: `source` with its matrices stored as `target` (one of CONVERTIBLE_TYPES). One
+    tensor is converted at a time (a 7B model's F32 copy is 28 GB: it is streamed to disk, not held)."""
     import gguf
 
     if target not in CONVERTIBLE_TYPES:
@@ -55,28 +77,31 @@ def convert_gguf(source: Path, destination: Path, target: str) -> Path:
     reader = gguf.GGUFReader(source)
     arch_field = reader.fields[gguf.Keys.General.ARCHITECTURE]
     writer = gguf.GGUFWriter(destination, arch=str(arch_field.contents()))
+    file_type = int(gguf.LlamaFileType[_FILE_TYPES[target]])
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue  # written by the writer itself
         if field.name == gguf.Keys.General.FILE_TYPE:
-            writer.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[target]]))
+            writer.add_file_type(file_type)
             continue
         kind = field.types[0]
         sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
     if gguf.Keys.General.FILE_TYPE not in reader.fields:
-        writer.add_file_type(int(gguf.LlamaFileType[_FILE_TYPES[target]]))
+        writer.add_file_type(file_type)
+    plan = []
     for tensor in reader.tensors:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if len(tensor.shape) < 2:
-            writer.add_tensor(tensor.name, values.astype(np.float32))
-            continue
-        array, raw_dtype = _store(values, target)
-        writer.add_tensor(tensor.name, array, raw_dtype=raw_dtype)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        kind = _stored_type(shape, target)
+        _add_info(writer, tensor.name, shape, kind)
+        plan.append((tensor, shape, kind))
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for tensor, shape, kind in plan:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            writer.write_tensor_data(_stored(values, kind))
     finally:
         writer.close()
     return destination
