@@ -13,22 +13,21 @@ stored as the target type: F32 keeps the file's weights exactly, F16 / BF16 / Q8
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from pagedserve.engine.models.gguf_config import open_reader
+
 # The types a copy may be written in (the GGUF quant type name) and the file type each declares.
-CONVERTIBLE_TYPES = ("F32", "F16", "BF16", "Q8_0")
 _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
+CONVERTIBLE_TYPES = tuple(_FILE_TYPES)
 
 
 def gguf_file_type(path: Path) -> str:
     """The GGUF type most of a file's matrices are stored in (e.g. "Q4_1"), as llama.cpp's name for it."""
-    from collections import Counter
-
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = open_reader(path)
     counts = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2)
     return counts.most_common(1)[0][0] if counts else "F32"
 
@@ -74,7 +73,7 @@ def convert_gguf(source: Path, destination: Path, target: str) -> Path:
     if target not in CONVERTIBLE_TYPES:
         raise ValueError(f"--llama-cpp-types: cannot write a {target!r} copy; choose from "
                          f"{', '.join(CONVERTIBLE_TYPES)} (or 'file' for the file itself)")
-    reader = gguf.GGUFReader(source)
+    reader = open_reader(source)
     arch_field = reader.fields[gguf.Keys.General.ARCHITECTURE]
     writer = gguf.GGUFWriter(destination, arch=str(arch_field.contents()))
     file_type = int(gguf.LlamaFileType[_FILE_TYPES[target]])
