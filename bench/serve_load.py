@@ -46,6 +46,7 @@ from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
 from pagedserve.bench.overhead_split import overhead_delta, overhead_table, scrape
 from pagedserve.bench.roofline import Machine, ModelFacts, step_roofline
 from pagedserve.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
+from pagedserve.cluster.cli import stream_interval_arg
 from pagedserve.bench.workload import (
     BenchRequest, SharedPrefixShape, parse_range, shared_prefix, synthetic, vocab_token_ids,
 )
@@ -94,9 +95,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", choices=["auto", "gguf", "none", "int8", "int4"], default=None,
                    help="the engines' weight quantization, as `bench throughput --quantization`")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="engine replicas (default 1)")
-    g.add_argument("--stream-interval", type=int, default=None, metavar="N",
-                   help="the server's stream interval: one SSE event per N generated tokens (default 1); the "
-                        "ITL figures are then the gaps between events")
+    g.add_argument("--stream-interval", type=stream_interval_arg, default=None, metavar="N|auto",
+                   help="the server's stream interval: one SSE event per N generated tokens (default 1; auto: "
+                        "1 under light load, more under heavy load); the ITL figures are then the gaps between events")
     g.add_argument("--pd", action="store_true", help="start the prefill/decode app (two Serve deployments)")
     g.add_argument("--num-prefill-engines", type=int, default=1, help="prefill replicas with --pd (default 1)")
     g.add_argument("--num-decode-engines", type=int, default=1, help="decode replicas with --pd (default 1)")

@@ -90,6 +90,19 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", choices=["uni", "ray"])
 
 
+def stream_interval_arg(text: str) -> int | str:
+    """--stream-interval: a positive integer or "auto" (argparse type)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return value
+
+
 def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | None = None
                  ) -> argparse.ArgumentParser:
     """The `pagedserve` parser of CORE_COMMANDS; `add_commands(subparsers)` registers more (bench, tune)."""
@@ -112,9 +125,10 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
                               help="LoRA adapters served from the start (with --enable-lora); a client picks one "
                                    "by its NAME in `model`")
     serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
-    serve_parser.add_argument("--stream-interval", type=int, metavar="N",
+    serve_parser.add_argument("--stream-interval", type=stream_interval_arg, metavar="N|auto",
                               help="a streamed request's deltas leave the engine at most once per N generated "
-                                   "tokens, as one SSE event (its first token and its finish at once; default 1)")
+                                   "tokens, as one SSE event (its first token and its finish at once; default 1); "
+                                   "auto: 1 while an engine streams to few requests, more under load (up to 8)")
     serve_parser.add_argument("--num-cpus-per-engine", type=float,
                               help="CPUs each engine replica reserves in Ray, and then its torch threads (default: "
                                    "1 reserved, and this node's CPUs shared by the app's engines as threads)")

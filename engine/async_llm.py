@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.delta_coalescer import DeltaCoalescer
+from pagedserve.engine.delta_coalescer import AUTO, DeltaCoalescer, auto_interval, validate_stream_interval
 from pagedserve.engine.core.kv_events import KVEventBatch, KVSnapshot
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.request import LoRARequest
@@ -49,6 +49,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; in-flight requests fail with this."""
 
 
+class StreamEndedError(RuntimeError):
+    """A `generate()` stream ended by `AsyncLLM.end_streams`: its request was aborted for its caller, who
+    asked for the stream to end with this instead of waiting on outputs an aborted request never sends."""
+
+
 class EngineStoppedError(EngineDeadError):
     """The engine was shut down (its replica drained: scale-down, rolling update) with this request
     unfinished; what it streamed stands, and a serving layer may continue it on another engine."""
@@ -58,11 +63,18 @@ class EngineStoppedError(EngineDeadError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    coalescer: DeltaCoalescer | None = None  # a DELTA stream with stream_interval > 1 (engine thread only)
+    coalescer: DeltaCoalescer | None = None  # a DELTA stream with stream_interval > 1 or "auto" (engine thread only)
 
 
 # A step's outputs by the event loop they go to: (the stream's queue, the output) in delivery order.
 _Outbox = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
@@ -86,17 +98,19 @@ class AsyncLLM:
         config: EngineConfig,
         max_pending_requests: int = 1024,
         stall_timeout_s: float = 120.0,
-        stream_interval: int = 1,
+        stream_interval: int | str = 1,
     ) -> None:
         """`stream_interval`: a DELTA stream sends at most one output per this many generated tokens of a
-        completion (`delta_coalescer`: the first tokens, a finish and an error go at once)."""
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval: must be >= 1, got {stream_interval}")
-        self.stream_interval = stream_interval
+        completion (`delta_coalescer`: the first tokens, a finish and an error go at once); "auto": as many
+        as the open streams call for (`delta_coalescer.auto_interval`), 1 while they are few."""
+        self.stream_interval = validate_stream_interval(stream_interval)
+        self._num_coalesced = 0  # open streams with a coalescer (engine thread only): "auto"'s load
         self.max_pending_requests = max_pending_requests
         self.stall_timeout_s = stall_timeout_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        # The streams of live generate() calls by request id, for end_streams(); touched by callers only.
+        self._open_streams: dict[str, _Stream] = {}
         self._pending_aborts: list[str] = []  # engine thread only
         self._ids = itertools.count()
         self._stopped = threading.Event()
@@ -146,22 +160,25 @@ class AsyncLLM:
             )
         loop = asyncio.get_running_loop()
         self._num_active += 1
-        # Tokenized here, in a thread: never on the engine thread, between two steps of every request.
-        bad_words_ids = None
-        if isinstance(sampling_params, SamplingParams) and sampling_params.bad_words:
-            try:
-                bad_words_ids = await asyncio.to_thread(bad_words_token_ids, sampling_params.bad_words,
-                                                        self.tokenizer)
-            except BaseException:
-                self._num_active -= 1
-                raise
-        coalesce = output_kind == OutputKind.DELTA and self.stream_interval > 1
-        stream = _Stream(loop, asyncio.Queue(), DeltaCoalescer(self.stream_interval) if coalesce else None)
-        added: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, sampling_params, priority, output_kind, stream, bad_words_ids,
-                                    lora_request, checkpoint_interval_s), added))
+        coalesce = output_kind == OutputKind.DELTA and self.stream_interval != 1
+        coalescer = DeltaCoalescer(1 if self.stream_interval == AUTO else self.stream_interval) if coalesce else None
+        stream = _Stream(loop, asyncio.Queue(), coalescer)
+        # Open from the first step of this call (before any await), so end_streams() finds it; a request id
+        # already open stays the other call's (the engine refuses this one's add).
+        registered = self._open_streams.setdefault(request_id, stream) is stream
+        added: concurrent.futures.Future | None = None
         finished = accepted = False
         try:
+            # Tokenized here, in a thread: never on the engine thread, between two steps of every request.
+            bad_words_ids = None
+            if isinstance(sampling_params, SamplingParams) and sampling_params.bad_words:
+                bad_words_ids = await asyncio.to_thread(bad_words_token_ids, sampling_params.bad_words,
+                                                        self.tokenizer)
+            if not stream.queue.empty():  # ended (end_streams) before it was added: never add it
+                raise stream.queue.get_nowait()
+            added = concurrent.futures.Future()
+            self._commands.put(("add", (request_id, prompt, sampling_params, priority, output_kind, stream,
+                                        bad_words_ids, lora_request, checkpoint_interval_s), added))
             await asyncio.wrap_future(added)  # raises the processor's ValueError, if any
             accepted = True
             # Met while merging: a failure (an exception, or an output that carries the request's error) goes
@@ -189,13 +206,15 @@ class AsyncLLM:
                     return
         finally:
             self._num_active -= 1
+            if registered:
+                del self._open_streams[request_id]
             if accepted and not finished:
                 self._commands.put(("abort", [request_id], None))
-            elif not accepted:
+            elif not accepted and added is not None:
                 # Never abort by id a request this call did not add: a refused add (e.g. the id is in use)
                 # names another caller's request. A caller that left while its add was being applied
                 # aborts it once the add is through.
-                added.add_done_callback(lambda future: self._abort_if_added(future, request_id))
+                added.add_done_callback(lambda future: self._abort_if_added(future, request_id))  # type: ignore[misc]
 
     def _abort_if_added(self, future: concurrent.futures.Future, request_id: str) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -244,6 +263,23 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", [request_id], None))
+
+    def end_streams(self, request_ids: list[str]) -> None:
+        """Abort these requests and end their `generate()` streams with `StreamEndedError`, after the outputs
+        already on their way (an aborted request itself sends nothing more). For a serving layer that must
+        answer an abort on the stream itself, without racing every output against an abort signal. Any
+        thread may call it; ids without a live stream are only aborted."""
+        for request_id in request_ids:
+            stream = self._open_streams.get(request_id)
+            if stream is None:
+                continue
+            ended = StreamEndedError(f"request {request_id!r} was aborted")
+            if _running_loop() is stream.loop:
+                stream.queue.put_nowait(ended)
+            else:  # (asyncio queues are not thread-safe)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ended)
+        if request_ids:
+            self._commands.put(("abort", list(request_ids), None))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         """Abort many requests with one engine command (one batched abort in the engine core)."""
@@ -312,17 +348,24 @@ class AsyncLLM:
         if stream is None:
             return
         if isinstance(item, BaseException) or item.finished:
-            del self._streams[request_id]
+            self._forget(request_id)
         if stream.coalescer is not None:
             if isinstance(item, BaseException) or item.error is not None:  # what was held goes out before the error
                 held = stream.coalescer.flush()
                 if held is not None:
                     self._put(stream, held, outbox)
             else:
-                item = stream.coalescer.push(item)  # type: ignore[assignment]
+                interval = auto_interval(self._num_coalesced) if self.stream_interval == AUTO else None
+                item = stream.coalescer.push(item, interval)  # type: ignore[assignment]
                 if item is None:
                     return  # held: sent with a later output
         self._put(stream, item, outbox)
+
+    def _forget(self, request_id: str) -> None:
+        """The request's stream gets nothing more (finished, failed or aborted)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream.coalescer is not None:
+            self._num_coalesced -= 1
 
     @staticmethod
     def _put(stream: _Stream, item: RequestOutput | BaseException, outbox: _Outbox | None = None) -> None:
@@ -350,7 +393,7 @@ class AsyncLLM:
         kind, payload, future = command
         if kind == "abort":  # collected: the aborts of one drain reach the engine as one batch
             for request_id in payload:
-                self._streams.pop(request_id, None)
+                self._forget(request_id)
             self._pending_aborts.extend(payload)
             return True
         self._flush_aborts()  # an abort sent before an add is applied before it
@@ -371,6 +414,7 @@ class AsyncLLM:
                 future.set_exception(exc)
             else:
                 self._streams[request_id] = stream
+                self._num_coalesced += stream.coalescer is not None
                 future.set_result(None)
         return True
 

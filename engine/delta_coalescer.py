@@ -11,6 +11,13 @@ an engine error.
 
 The coalescer runs where the engine's outputs are handed to their stream (`AsyncLLM`, on the engine
 thread), so that held outputs cost no wake-up of the reader either.
+
+`stream_interval="auto"` follows the engine's load instead of a fixed N (`auto_interval`): one output per
+token while at most `AUTO_STREAMS_PER_STEP` streams are open, and beyond that N grows with them (up to
+`AUTO_MAX_INTERVAL`), so a step sends about that many stream outputs however many requests it runs. A
+person chatting alone gets every token as it comes; a server saturated with streams stops spending the
+engine's cores on per-token events (each one costs the same in the replica, the ingress, the proxy and
+the client: on a 2-core machine that was a third of the served throughput at 64 streams).
 """
 
 from __future__ import annotations
@@ -18,6 +25,24 @@ from __future__ import annotations
 import dataclasses
 
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+
+AUTO = "auto"
+# With stream_interval="auto": stream outputs a step may send before the interval grows past 1, and the
+# largest interval it grows to.
+AUTO_STREAMS_PER_STEP = 16
+AUTO_MAX_INTERVAL = 8
+
+
+def validate_stream_interval(interval: int | str) -> int | str:
+    """An interval >= 1 or "auto"; ValueError naming `stream_interval` otherwise."""
+    if interval == AUTO or (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1):
+        return interval
+    raise ValueError(f"stream_interval: must be an integer >= 1 or {AUTO!r}, got {interval!r}")
+
+
+def auto_interval(num_streams: int) -> int:
+    """The interval "auto" runs at with `num_streams` coalesced streams open: ceil(streams / budget)."""
+    return max(1, min(AUTO_MAX_INTERVAL, -(-num_streams // AUTO_STREAMS_PER_STEP)))
 
 
 class DeltaCoalescer:
@@ -34,9 +59,11 @@ class DeltaCoalescer:
         self._prompt_logprobs_sent = False
         self._last: RequestOutput | None = None
 
-    def push(self, output: RequestOutput) -> RequestOutput | None:
+    def push(self, output: RequestOutput, interval: int | None = None) -> RequestOutput | None:
         """Take the stream's next output; returns what to send now (the due completions' held deltas merged
-        with this one's), or None while everything is held."""
+        with this one's), or None while everything is held. `interval`: this push's interval instead of the
+        coalescer's own (stream_interval="auto": the engine's current one)."""
+        interval = self.interval if interval is None else interval
         self._last = output
         if output.prompt_logprobs is not None and not self._prompt_logprobs_sent:
             self._prompt_logprobs = output.prompt_logprobs
@@ -46,7 +73,7 @@ class DeltaCoalescer:
             if completion.token_ids and completion.index not in self._started:
                 self._started.add(completion.index)
                 due.add(completion.index)  # a completion's first tokens go at once (time to first token)
-            if held.finish_reason is not None or len(held.token_ids) >= self.interval:
+            if held.finish_reason is not None or len(held.token_ids) >= interval:
                 due.add(completion.index)
         if output.finished or output.error is not None:
             return self._send(set(self._held))

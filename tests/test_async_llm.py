@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, StreamEndedError
 from pagedserve.engine.config import EngineConfig
 
 
@@ -328,3 +328,78 @@ def test_a_steps_outputs_reach_the_event_loop_in_one_hand_over(async_llm, tiny_l
     assert sum(len(ids) for ids in ours) == 6 * 16  # every delta, each in exactly one hand-over
     assert max(len(set(ids)) for ids in ours) == 6  # steps where all six decoded went out together
     assert len(ours) < 6 * 16 / 2
+
+
+def _wait_idle(engine: AsyncLLM):
+    async def wait():
+        for _ in range(200):
+            stats = engine.get_stats()
+            if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+        return engine.get_stats()
+    return wait()
+
+
+def test_end_streams_ends_a_running_stream_after_its_outputs_and_frees_blocks(async_llm):
+    """`end_streams` aborts the request and ends its stream with StreamEndedError once the outputs already
+    on their way are read: a serving layer answers an abort on the stream itself, nothing races it."""
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def run():
+        tokens = []
+        with pytest.raises(StreamEndedError, match="end-me"):
+            async for out in async_llm.generate("hello", params, request_id="end-me"):
+                tokens += out.outputs[0].token_ids
+                assert out.outputs[0].finish_reason is None
+                if len(tokens) >= 3:
+                    async_llm.end_streams(["end-me", "no-such-request"])
+        return tokens, await _wait_idle(async_llm)
+
+    tokens, stats = asyncio.run(run())
+    assert 3 <= len(tokens) < 300
+    assert stats.num_unfinished == 0
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+
+
+def test_end_streams_before_the_request_is_added_never_runs_it(async_llm, monkeypatch):
+    """A stream ended while its call is still preparing the request (tokenizing bad words, off the loop)
+    raises at once and its request never reaches the engine."""
+    added = []
+    original = async_llm.engine.add_request
+    monkeypatch.setattr(async_llm.engine, "add_request", lambda rid, *a, **k: (added.append(rid), original(rid, *a, **k)))
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, bad_words=["zzz"])
+
+    async def run():
+        stream = async_llm.generate("hello", params, request_id="ended-early")
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the call is now awaiting its bad-words tokenization
+        async_llm.end_streams(["ended-early"])
+        with pytest.raises(StreamEndedError):
+            await first
+        return await _wait_idle(async_llm)
+
+    stats = asyncio.run(run())
+    assert "ended-early" not in added
+    assert stats.num_unfinished == 0 and stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+
+
+def test_end_streams_leaves_a_running_request_of_the_same_id_to_its_own_caller(async_llm):
+    """A second call with a running request's id is refused; it never takes over the first stream, which
+    `end_streams` still ends."""
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def run():
+        first = async_llm.generate("hello", params, request_id="dup-end")
+        await anext(first)
+        with pytest.raises(ValueError):
+            async for _ in async_llm.generate("hello", params, request_id="dup-end"):
+                pass
+        async_llm.end_streams(["dup-end"])
+        with pytest.raises(StreamEndedError):
+            async for _ in first:
+                pass
+        return await _wait_idle(async_llm)
+
+    stats = asyncio.run(run())
+    assert stats.num_unfinished == 0 and stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks

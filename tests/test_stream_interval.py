@@ -18,7 +18,7 @@ import pytest
 from pagedserve.cluster.settings import ServeArgs
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.delta_coalescer import DeltaCoalescer
+from pagedserve.engine.delta_coalescer import AUTO_MAX_INTERVAL, AUTO_STREAMS_PER_STEP, DeltaCoalescer, auto_interval
 from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -243,3 +243,81 @@ def test_a_stream_that_ends_with_an_error_gets_what_was_held_first(tiny_llama):
     received = asyncio.run(run())
     generated = engine.engine.output_processor.states["drained"].token_ids
     assert len(generated) > 1 and received == generated
+
+
+# --------------------------------------------------------------------------- "auto"
+
+
+def test_auto_interval_is_one_for_few_streams_and_grows_with_them_up_to_its_cap():
+    assert [auto_interval(n) for n in (0, 1, AUTO_STREAMS_PER_STEP)] == [1, 1, 1]
+    assert auto_interval(AUTO_STREAMS_PER_STEP + 1) == 2
+    assert auto_interval(4 * AUTO_STREAMS_PER_STEP) == 4
+    assert auto_interval(1000 * AUTO_STREAMS_PER_STEP) == AUTO_MAX_INTERVAL
+
+
+def test_a_push_may_name_its_own_interval():
+    coalescer = DeltaCoalescer(1)
+    outputs = _steps(10)
+    sent_at = [i for i, o in enumerate(outputs) if coalescer.push(o, interval=3) is not None]
+    assert sent_at == [0, 3, 6, 9]  # token 1 alone; 2-4; 5-7; 8-10 with the finish
+
+
+def test_auto_is_accepted_where_the_interval_is_set_and_nothing_else_is(tiny_llama):
+    from pagedserve.cluster.cli import build_parser, serve_args_from
+
+    assert ServeArgs(model=str(tiny_llama), stream_interval="auto").stream_interval == "auto"
+    for bad in ("fast", 0, -1, 1.5):
+        with pytest.raises(ValueError, match="stream_interval"):
+            ServeArgs(model=str(tiny_llama), stream_interval=bad)
+    ns = build_parser().parse_args(["serve", str(tiny_llama), "--stream-interval", "auto"])
+    assert serve_args_from(ns).to_dict()["stream_interval"] == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", str(tiny_llama), "--stream-interval", "often"])
+    for bad in ("fast", 0, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            AsyncLLM(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory="8MiB"), stream_interval=bad)
+
+
+def test_auto_streams_every_token_to_a_few_requests_and_merges_them_for_many(tiny_llama, monkeypatch):
+    """`stream_interval="auto"`: a lone stream runs at interval 1; with four times the per-step budget of
+    streams open, at 4 (about one output per four tokens); either way the outputs add up to exactly what
+    interval 1 streams, and every KV block is free afterwards."""
+    intervals: list[int | None] = []
+    push = DeltaCoalescer.push
+    monkeypatch.setattr(DeltaCoalescer, "push", lambda self, output, interval=None: (
+        intervals.append(interval), push(self, output, interval))[1])
+    config = dict(model=str(tiny_llama), dtype="float32", block_size=4, kv_cache_memory="16MiB", max_num_seqs=128)
+    auto = AsyncLLM(EngineConfig(**config), stream_interval="auto")
+    plain = AsyncLLM(EngineConfig(**config), stream_interval=1)
+    tokens = 24
+    params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
+
+    async def streams(engine: AsyncLLM, count: int) -> list[list[RequestOutput]]:
+        async def one(i: int) -> list[RequestOutput]:
+            return [o async for o in engine.generate({"prompt_token_ids": [5 + i % 7, 6, 7, 8]}, params)]
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+    try:
+        alone = asyncio.run(streams(auto, 1))[0]
+        assert set(intervals) == {1} and len(intervals) == tokens  # (a reader that lags may still merge)
+        assert sum(len(o.outputs[0].token_ids) for o in alone) == tokens
+        intervals.clear()
+        many = 4 * AUTO_STREAMS_PER_STEP
+        got, want = asyncio.run(streams(auto, many)), asyncio.run(streams(plain, many))
+        for g, w in zip(got, want):
+            _assert_same(_joined(g), _joined(w))
+        # The streams are open together once every request is added (before that, fewer: smaller intervals).
+        assert max(i for i in intervals if i is not None) == 4 and None not in intervals
+        counts = sorted(len(g) for g in got)
+        assert counts[len(counts) // 2] <= 1 + -(-(tokens - 1) // 3) < tokens
+        for engine in (auto, plain):
+            for _ in range(200):
+                stats = engine.get_stats()
+                if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
+                    break
+                time.sleep(0.05)
+            assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+        assert auto._num_coalesced == 0  # every stream it counted was forgotten again
+    finally:
+        auto.shutdown()
+        plain.shutdown()

@@ -12,7 +12,9 @@ once, in a stream's first output (`stream_transport`); a stream pauses while its
 (gRPC's flow control, or `STREAM_BACKPRESSURE_OBJECTS` unread outputs of a Ray streaming call). A
 streamed request sends at most one delta per `stream_interval` generated tokens
 (`engine.delta_coalescer`: its first tokens and its finish at once). `abort_requests` ends the named streams with one final "abort" output (the engine itself emits
-nothing for an aborted request); cancelling a Serve stream aborts its request too.
+nothing for an aborted request: `AsyncLLM.end_streams` ends the stream after the outputs already on
+their way, so an output costs no race against an abort signal); cancelling a Serve stream aborts its
+request too.
 
 Serve's lifecycle: `check_health` is the health check (the engine loop died, or it stalls with work
 waiting); a replica being removed (scale-down, rolling update) stops getting requests and finishes what
@@ -69,7 +71,7 @@ from pagedserve.cluster.serve.kv_feed import KVEventFeed
 from pagedserve.cluster.serve.routing_policy import prefix_hashes, short_hash
 from pagedserve.cluster.serve.stream_transport import STREAM_BACKPRESSURE_OBJECTS, PromptElider, abort_output
 from pagedserve.cluster.serve.tier_peer import TierFetcher, TierPeer, fetch_failures, tier_secret
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.async_llm import AsyncLLM, StreamEndedError
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.lora.request import pop_lora_request
 from pagedserve.engine.output_processor import CHECKPOINT_INTERVAL_S, OutputKind
@@ -137,12 +139,6 @@ def _prompt_ids(prompt: Any) -> list[int] | None:
     return None
 
 
-async def _cancel_and_wait(future: asyncio.Future) -> None:
-    if not future.done():
-        future.cancel()
-    await asyncio.gather(future, return_exceptions=True)
-
-
 class EngineHost:
     """Hosts one engine: a Serve deployment's body, or a plain actor class under `ray.remote`."""
 
@@ -154,7 +150,7 @@ class EngineHost:
         stall_timeout_s: float = 120.0,
         kv_secret: SecretStr | None = None,
         engines_per_node: int | None = None,
-        stream_interval: int = 1,
+        stream_interval: int | str = 1,
     ) -> None:
         restrict_to_assigned_gpus()  # before anything initialises CUDA in this process
         where = _serve_replica()
@@ -169,8 +165,8 @@ class EngineHost:
         self.engine = AsyncLLM(EngineConfig(**engine_kwargs), max_pending_requests=max_pending_requests,
                                stall_timeout_s=stall_timeout_s, stream_interval=stream_interval)
         self.block_size = self.engine.config.block_size
-        # request_id -> set by abort_requests() to end that request's generate() stream.
-        self._aborts: dict[str, asyncio.Event] = {}
+        # The request ids of the generate() streams open here (one engine request each).
+        self._live: set[str] = set()
         self._num_stream_outputs = 0
         self._prefixes: OrderedDict[str, None] = OrderedDict()
         self._in_flight_prompt_tokens = 0  # prompt tokens of the requests in generate(): prefill's queue
@@ -245,7 +241,7 @@ class EngineHost:
                 params = SamplingParams(**sampling_params)
         except ValueError as exc:
             raise _plain_value_error(exc) from None
-        if request_id in self._aborts:
+        if request_id in self._live:
             raise ValueError(f"request_id: {request_id!r} is already running on engine {self.replica}")
         ids = _prompt_ids(prompt)
         if isinstance(prompt, (list, tuple)):
@@ -259,8 +255,7 @@ class EngineHost:
                                          lora_request.cache_key if lora_request is not None else ())
         prompt_tokens = len(ids) if ids is not None else 0
         self._in_flight_prompt_tokens += prompt_tokens
-        aborted = asyncio.Event()
-        self._aborts[request_id] = aborted
+        self._live.add(request_id)
         if isinstance(params, PoolingParams):
             stream = self.engine.encode(prompt, params, request_id=request_id, priority=priority)
         else:
@@ -271,33 +266,22 @@ class EngineHost:
                                           output_kind=kind, lora_request=lora_request,
                                           checkpoint_interval_s=self.final_only_checkpoint_s)
         elide = PromptElider()
-        abort_wait = asyncio.ensure_future(aborted.wait())
-        next_output: asyncio.Future | None = None
         try:
-            while True:
-                # Race the next output against abort(): the engine emits nothing for an aborted request.
-                next_output = asyncio.ensure_future(anext(stream))
-                await asyncio.wait({next_output, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if not next_output.done():
-                    await _cancel_and_wait(next_output)
+            try:
+                # abort_requests() ends the stream itself (`AsyncLLM.end_streams`): no per-output race
+                # against an abort signal (a task and a wait per output, on the engine's own cores).
+                async for output in stream:
+                    # Counted before the yield: the generator may pause there (backpressure).
                     self._num_stream_outputs += 1
-                    yield elide(abort_output(request_id, prompt, params))
-                    return
-                try:
-                    output = next_output.result()
-                except StopAsyncIteration:
-                    return
-                except ValueError as exc:
-                    raise _plain_value_error(exc) from None
-                # Counted before the yield: the generator may pause there (backpressure).
+                    yield elide(output)
+            except StreamEndedError:  # the engine emits nothing for an aborted request: end it here
                 self._num_stream_outputs += 1
-                yield elide(output)
+                yield elide(abort_output(request_id, prompt, params))
+            except ValueError as exc:
+                raise _plain_value_error(exc) from None
         finally:
             self._in_flight_prompt_tokens -= prompt_tokens
-            abort_wait.cancel()
-            self._aborts.pop(request_id, None)
-            if next_output is not None:
-                await _cancel_and_wait(next_output)  # the generator must be idle before aclose()
+            self._live.discard(request_id)
             await stream.aclose()  # aborts the engine request if it did not finish
 
     async def abort(self, request_id: str) -> None:
@@ -305,11 +289,7 @@ class EngineHost:
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         """Abort many requests in one call (one engine command): a mass disconnect costs one RPC."""
-        for request_id in request_ids:
-            aborted = self._aborts.get(request_id)
-            if aborted is not None:
-                aborted.set()
-        await self.engine.abort_requests(request_ids)
+        self.engine.end_streams(list(request_ids))
 
     # ------------------------------------------------------------------ stats and health
 
