@@ -96,8 +96,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="the engines' weight quantization, as `bench throughput --quantization`")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="engine replicas (default 1)")
     g.add_argument("--stream-interval", type=stream_interval_arg, default=None, metavar="N|auto",
-                   help="the server's stream interval: one SSE event per N generated tokens (default 1; auto: "
-                        "1 under light load, more under heavy load); the ITL figures are then the gaps between events")
+                   help="the server's stream interval: one SSE event per N generated tokens (default: the "
+                        "server's, auto: 1 under light load, more under heavy load); the ITL figures are the gaps "
+                        "between events")
     g.add_argument("--pd", action="store_true", help="start the prefill/decode app (two Serve deployments)")
     g.add_argument("--num-prefill-engines", type=int, default=1, help="prefill replicas with --pd (default 1)")
     g.add_argument("--num-decode-engines", type=int, default=1, help="decode replicas with --pd (default 1)")

@@ -127,8 +127,9 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
     serve_parser.add_argument("--max-pending-requests", type=int, help="requests in flight before 503s")
     serve_parser.add_argument("--stream-interval", type=stream_interval_arg, metavar="N|auto",
                               help="a streamed request's deltas leave the engine at most once per N generated "
-                                   "tokens, as one SSE event (its first token and its finish at once; default 1); "
-                                   "auto: 1 while an engine streams to few requests, more under load (up to 8)")
+                                   "tokens, as one SSE event (its first token and its finish at once); auto (the "
+                                   "default): 1 while an engine streams to at most 16 requests, more under load (up "
+                                   "to 8); 1: every token its own event, always")
     serve_parser.add_argument("--num-cpus-per-engine", type=float,
                               help="CPUs each engine replica reserves in Ray, and then its torch threads (default: "
                                    "1 reserved, and this node's CPUs shared by the app's engines as threads)")

@@ -59,8 +59,9 @@ class ServeArgs(EngineConfig):
     max_pending_requests: int = Field(default=1024, ge=1)
     # A streamed request's deltas leave its engine at most once per this many generated tokens (the first
     # tokens and the finish at once): one Ray stream item and one SSE event per merge (vLLM's --stream-interval).
-    # "auto": 1 while an engine has few streams open, more as they grow (engine.delta_coalescer.auto_interval).
-    stream_interval: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = 1
+    # "auto" (the default): 1 while an engine has few streams open, more as they grow
+    # (engine.delta_coalescer.auto_interval), as Ray Serve LLM batches its streams by default.
+    stream_interval: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
     num_cpus_per_engine: float = Field(default=1.0, ge=0.0)
     app_name: str = "pagedserve"
     max_n: int = Field(default=16, ge=1, le=1024)

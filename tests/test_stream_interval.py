@@ -146,7 +146,7 @@ def test_the_flag_reaches_serve_args_and_the_engine_replicas(tiny_llama):
     ns = build_parser().parse_args(["serve", str(tiny_llama), "--stream-interval", "8"])
     args = serve_args_from(ns)
     assert args.stream_interval == 8 and args.to_dict()["stream_interval"] == 8  # what build_app receives
-    assert serve_args_from(build_parser().parse_args(["serve", str(tiny_llama)])).stream_interval == 1
+    assert serve_args_from(build_parser().parse_args(["serve", str(tiny_llama)])).stream_interval == "auto"
     assert "stream_interval" not in args.engine_kwargs()  # a serving setting, not the engine's
     pd = ServeArgs(model=str(tiny_llama), stream_interval=8, num_prefill_engines=1, num_decode_engines=1)
     assert {spec.stream_interval for spec in pool_specs(pd).values()} == {8}

@@ -43,7 +43,7 @@ class PoolSpec:
     num_cpus_per_engine: float = 1.0
     max_pending_requests: int = 1024
     stall_timeout_s: float = 120.0
-    stream_interval: int | str = 1  # generated tokens per streamed delta (`ServeArgs.stream_interval`)
+    stream_interval: int | str = "auto"  # generated tokens per streamed delta (`ServeArgs.stream_interval`)
     # The deployment's KV secret, the same for both pools (`deployment_kv_secret`); None: each engine
     # resolves PAGEDSERVE_KV_SECRET / _FILE itself. A SecretStr, so reprs and logs never show it.
     kv_secret: SecretStr | None = None
