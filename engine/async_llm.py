@@ -276,8 +276,11 @@ class AsyncLLM:
             ended = StreamEndedError(f"request {request_id!r} was aborted")
             if _running_loop() is stream.loop:
                 stream.queue.put_nowait(ended)
-            else:  # (asyncio queues are not thread-safe)
+                continue
+            try:  # (asyncio queues are not thread-safe)
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ended)
+            except RuntimeError:  # the caller's event loop is gone
+                pass
         if request_ids:
             self._commands.put(("abort", list(request_ids), None))
 

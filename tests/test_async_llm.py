@@ -403,3 +403,19 @@ def test_end_streams_leaves_a_running_request_of_the_same_id_to_its_own_caller(a
 
     stats = asyncio.run(run())
     assert stats.num_unfinished == 0 and stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+
+
+def test_end_streams_from_another_thread_ends_the_stream_on_its_own_loop(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def run():
+        count = 0
+        with pytest.raises(StreamEndedError):
+            async for _ in async_llm.generate("hello", params, request_id="end-from-thread"):
+                count += 1
+                if count == 2:
+                    await asyncio.to_thread(async_llm.end_streams, ["end-from-thread"])
+        return await _wait_idle(async_llm)
+
+    stats = asyncio.run(run())
+    assert stats.num_unfinished == 0 and stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
