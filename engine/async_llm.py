@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.delta_coalescer import AUTO, DeltaCoalescer, auto_interval, validate_stream_interval
 from pagedserve.engine.core.kv_events import KVEventBatch, KVSnapshot
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.output_processor import CHECKPOINT_INTERVAL_S, DELTA_KINDS, OutputKind
+from pagedserve.engine.output_streams import Outbox, OutputStream, OutputStreams
 from pagedserve.engine.outputs import EmbeddingRequestOutput, RequestOutput, SchedulerStats
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.processor import PromptType
@@ -59,28 +59,11 @@ class EngineStoppedError(EngineDeadError):
     unfinished; what it streamed stands, and a serving layer may continue it on another engine."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    coalescer: DeltaCoalescer | None = None  # a DELTA stream with stream_interval > 1 or "auto" (engine thread only)
-
-
-# A step's outputs by the event loop they go to: (the stream's queue, the output) in delivery order.
-_Outbox = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]]
-
-
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
-    """On the event loop: a step's outputs into their streams' queues, in order."""
-    for stream_queue, item in items:
-        stream_queue.put_nowait(item)
 
 
 @dataclass
@@ -103,14 +86,13 @@ class AsyncLLM:
         """`stream_interval`: a DELTA stream sends at most one output per this many generated tokens of a
         completion (`delta_coalescer`: the first tokens, a finish and an error go at once); "auto": as many
         as the open streams call for (`delta_coalescer.auto_interval`), 1 while they are few."""
-        self.stream_interval = validate_stream_interval(stream_interval)
-        self._num_coalesced = 0  # open streams with a coalescer (engine thread only): "auto"'s load
+        self._outputs = OutputStreams(stream_interval)  # (validates the interval)
+        self.stream_interval = self._outputs.stream_interval
         self.max_pending_requests = max_pending_requests
         self.stall_timeout_s = stall_timeout_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
         # The streams of live generate() calls by request id, for end_streams(); touched by callers only.
-        self._open_streams: dict[str, _Stream] = {}
+        self._open_streams: dict[str, OutputStream] = {}
         self._pending_aborts: list[str] = []  # engine thread only
         self._ids = itertools.count()
         self._stopped = threading.Event()
@@ -160,9 +142,7 @@ class AsyncLLM:
             )
         loop = asyncio.get_running_loop()
         self._num_active += 1
-        coalesce = output_kind == OutputKind.DELTA and self.stream_interval != 1
-        coalescer = DeltaCoalescer(1 if self.stream_interval == AUTO else self.stream_interval) if coalesce else None
-        stream = _Stream(loop, asyncio.Queue(), coalescer)
+        stream = self._outputs.open(loop, output_kind)
         # Open from the first step of this call (before any await), so end_streams() finds it; a request id
         # already open stays the other call's (the engine refuses this one's add).
         registered = self._open_streams.setdefault(request_id, stream) is stream
@@ -333,8 +313,8 @@ class AsyncLLM:
             self._commands.put(("stop", None, None))
             self._thread.join(timeout=30)
             if not self._thread.is_alive():  # the streams are ours now
-                for request_id in list(self._streams):
-                    self._deliver(request_id, EngineStoppedError(
+                for request_id in self._outputs.request_ids():
+                    self._outputs.deliver(request_id, EngineStoppedError(
                         f"the engine shut down before request {request_id!r} finished"))
             self.engine.shutdown()
 
@@ -344,59 +324,11 @@ class AsyncLLM:
         if self._dead_error is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead_error!r}")
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException, outbox: _Outbox | None = None) -> None:
-        """Route one output (or a failure) to its request's stream: now, or into `outbox` (a step's
-        outputs, handed to each event loop in one call by `_send`)."""
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        if isinstance(item, BaseException) or item.finished:
-            self._forget(request_id)
-        if stream.coalescer is not None:
-            if isinstance(item, BaseException) or item.error is not None:  # what was held goes out before the error
-                held = stream.coalescer.flush()
-                if held is not None:
-                    self._put(stream, held, outbox)
-            else:
-                interval = auto_interval(self._num_coalesced) if self.stream_interval == AUTO else None
-                item = stream.coalescer.push(item, interval)  # type: ignore[assignment]
-                if item is None:
-                    return  # held: sent with a later output
-        self._put(stream, item, outbox)
-
-    def _forget(self, request_id: str) -> None:
-        """The request's stream gets nothing more (finished, failed or aborted)."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None and stream.coalescer is not None:
-            self._num_coalesced -= 1
-
-    @staticmethod
-    def _put(stream: _Stream, item: RequestOutput | BaseException, outbox: _Outbox | None = None) -> None:
-        if outbox is not None:
-            outbox.setdefault(stream.loop, []).append((stream.queue, item))
-            return
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is gone
-            pass
-
-    @staticmethod
-    def _send(outbox: _Outbox) -> None:
-        """One hand-over per event loop for a whole step's outputs, not one per request: one write of the
-        loop's self-pipe instead of up to one per stream, and one wake-up where the loop would have gone
-        back to sleep between them (each a chance to preempt an engine thread on cores the engine fills;
-        `AsyncLLM` alone at 64 streams: ~100 context switches a run instead of ~2000)."""
-        for loop, items in outbox.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's event loop is gone
-                pass
-
     def _handle_command(self, command: tuple) -> bool:
         kind, payload, future = command
         if kind == "abort":  # collected: the aborts of one drain reach the engine as one batch
             for request_id in payload:
-                self._forget(request_id)
+                self._outputs.forget(request_id)
             self._pending_aborts.extend(payload)
             return True
         self._flush_aborts()  # an abort sent before an add is applied before it
@@ -416,8 +348,7 @@ class AsyncLLM:
             except BaseException as exc:  # bad input: only this request fails
                 future.set_exception(exc)
             else:
-                self._streams[request_id] = stream
-                self._num_coalesced += stream.coalescer is not None
+                self._outputs.add(request_id, stream)
                 future.set_result(None)
         return True
 
@@ -460,12 +391,12 @@ class AsyncLLM:
                 if idle:  # a prefill producer frees released / expired KV holds even with no work
                     self.engine.free_released_kv()
                 if self.engine.has_unfinished_requests():
-                    outbox: _Outbox = {}
+                    outbox: Outbox = {}
                     try:
                         for output in self.engine.step():
-                            self._deliver(output.request_id, output, outbox)
+                            self._outputs.deliver(output.request_id, output, outbox)
                     finally:  # what was made goes out before any failure is delivered
-                        self._send(outbox)
+                        self._outputs.send(outbox)
                     if self.engine.engine_core.executor.is_failed:
                         # Its workers are gone: every later step would fail too. Stop, so that the
                         # waiting requests fail now and a supervisor (the engine actor) can restart us.
@@ -477,8 +408,8 @@ class AsyncLLM:
             logger.exception("engine loop died")
             self._dead_error = exc
             error = EngineDeadError(f"the engine failed: {exc!r}")
-            for request_id in list(self._streams):
-                self._deliver(request_id, error)
+            for request_id in self._outputs.request_ids():
+                self._outputs.deliver(request_id, error)
             self._fail_pending_adds(error)
 
     def _fail_pending_adds(self, error: BaseException) -> None:

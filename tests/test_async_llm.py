@@ -302,16 +302,16 @@ def test_what_building_the_engine_raises_is_raised_in_the_caller(tiny_llama):
 def test_a_steps_outputs_reach_the_event_loop_in_one_hand_over(async_llm, tiny_llama, monkeypatch):
     """Concurrent streams' outputs of one engine step go to their event loop in one call (one wake-up of
     the loop, not one per request), each stream's outputs in order and complete."""
-    import pagedserve.engine.async_llm as async_llm_module
+    import pagedserve.engine.output_streams as output_streams_module
 
     hand_overs: list[list[str]] = []
-    original = async_llm_module._put_all
+    original = output_streams_module._put_all
 
     def recording(items):
         hand_overs.append([item.request_id for _, item in items if not isinstance(item, BaseException)])
         original(items)
 
-    monkeypatch.setattr(async_llm_module, "_put_all", recording)
+    monkeypatch.setattr(output_streams_module, "_put_all", recording)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [f"item {i} of the list" for i in range(6)]
 
