@@ -3,8 +3,8 @@
 The engine steps on a dedicated background thread (torch releases the GIL in its
 kernels, so the event loop stays responsive). Callers talk to it through a command
 queue; each request's outputs flow back into its own asyncio queue, a step's outputs
-handed to each event loop in one call. All engine state is touched by the engine
-thread only.
+handed to each event loop in one call (`output_streams`). All engine state is touched by
+the engine thread only.
 
 The engine is also built on that thread (model load, warm-up, KV sizing), so that on CPU every
 parallel region of its life runs from one thread. OpenMP (libgomp) keeps a thread pool per thread
