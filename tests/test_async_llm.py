@@ -31,6 +31,17 @@ async def _collect(engine: AsyncLLM, prompt, params, **kw):
     return text, tokens, finals
 
 
+def _wait_idle(engine: AsyncLLM):
+    async def wait():
+        for _ in range(200):
+            stats = engine.get_stats()
+            if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+        return engine.get_stats()
+    return wait()
+
+
 def test_streamed_deltas_equal_offline_output(async_llm, tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
     prompts = ["def fibonacci(n):", "The quick brown fox", "import os"]
@@ -89,12 +100,7 @@ def test_abort_on_disconnect_frees_blocks(async_llm):
             count += 1
             if count == 3:
                 break  # the client goes away
-        for _ in range(100):
-            stats = async_llm.get_stats()
-            if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
-                break
-            await asyncio.sleep(0.05)
-        return async_llm.get_stats()
+        return await _wait_idle(async_llm)
 
     stats = asyncio.run(run())
     assert stats.num_unfinished == 0
@@ -328,17 +334,6 @@ def test_a_steps_outputs_reach_the_event_loop_in_one_hand_over(async_llm, tiny_l
     assert sum(len(ids) for ids in ours) == 6 * 16  # every delta, each in exactly one hand-over
     assert max(len(set(ids)) for ids in ours) == 6  # steps where all six decoded went out together
     assert len(ours) < 6 * 16 / 2
-
-
-def _wait_idle(engine: AsyncLLM):
-    async def wait():
-        for _ in range(200):
-            stats = engine.get_stats()
-            if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
-                break
-            await asyncio.sleep(0.05)
-        return engine.get_stats()
-    return wait()
 
 
 def test_end_streams_ends_a_running_stream_after_its_outputs_and_frees_blocks(async_llm):

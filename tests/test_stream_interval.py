@@ -184,6 +184,16 @@ def _assert_same(got: dict[int, dict], want: dict[int, dict]) -> None:
             assert gp[token].decoded_token == wp[token].decoded_token
 
 
+def _assert_all_blocks_free(engine: AsyncLLM) -> None:
+    """Every KV block is free again (the stats trail the last step: a bounded wait)."""
+    for _ in range(200):
+        stats = engine.get_stats()
+        if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
+            break
+        time.sleep(0.05)
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+
+
 def test_async_llm_streams_fewer_outputs_that_add_up_to_the_same(engines):
     greedy = SamplingParams(temperature=0, max_tokens=21, min_tokens=21, logprobs=2)
     n_sampled = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=13, min_tokens=13, logprobs=1)
@@ -207,13 +217,8 @@ def test_async_llm_stop_strings_end_the_coalesced_text_where_interval_one_ends_i
     _, got = _stream(engines[4], "The quick brown fox", params)
     _assert_same(got, want)
     assert got[0]["finish"] == ["stop"] and got[0]["stop"] == stop and stop not in got[0]["text"]
-    for engine in engines.values():  # every KV block is free again (the stats trail the last step: a bounded wait)
-        for _ in range(200):
-            stats = engine.get_stats()
-            if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
-                break
-            time.sleep(0.05)
-        assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+    for engine in engines.values():
+        _assert_all_blocks_free(engine)
 
 
 def test_async_llm_refuses_a_bad_interval(tiny_llama):
@@ -315,12 +320,7 @@ def test_auto_streams_every_token_to_a_few_requests_and_merges_them_for_many(tin
         counts = sorted(len(g) for g in got)
         assert counts[len(counts) // 2] <= 1 + -(-(tokens - 1) // 3) < tokens
         for engine in (auto, plain):
-            for _ in range(200):
-                stats = engine.get_stats()
-                if stats.num_unfinished == 0 and stats.scheduler.num_running == 0:
-                    break
-                time.sleep(0.05)
-            assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
+            _assert_all_blocks_free(engine)
         assert auto._outputs.num_coalesced == 0  # every stream it counted was forgotten again
     finally:
         auto.shutdown()
