@@ -46,10 +46,10 @@ from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
 from pagedserve.bench.overhead_split import overhead_delta, overhead_table, scrape
 from pagedserve.bench.roofline import Machine, ModelFacts, step_roofline
 from pagedserve.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
-from pagedserve.cluster.cli import stream_interval_arg
 from pagedserve.bench.workload import (
     BenchRequest, SharedPrefixShape, parse_range, shared_prefix, synthetic, vocab_token_ids,
 )
+from pagedserve.cluster.cli import stream_interval_arg
 
 
 def parse_rates(text: str) -> list[float]:

@@ -59,13 +59,6 @@ class EngineStoppedError(EngineDeadError):
     unfinished; what it streamed stands, and a serving layer may continue it on another engine."""
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
 @dataclass
 class AsyncEngineStats:
     scheduler: SchedulerStats
@@ -87,7 +80,6 @@ class AsyncLLM:
         completion (`delta_coalescer`: the first tokens, a finish and an error go at once); "auto": as many
         as the open streams call for (`delta_coalescer.auto_interval`), 1 while they are few."""
         self._outputs = OutputStreams(stream_interval)  # (validates the interval)
-        self.stream_interval = self._outputs.stream_interval
         self.max_pending_requests = max_pending_requests
         self.stall_timeout_s = stall_timeout_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,6 +101,10 @@ class AsyncLLM:
         built.result()  # the thread has set self.engine; re-raises what building it raised (a bad config: ValueError)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+
+    @property
+    def stream_interval(self) -> int | str:
+        return self._outputs.stream_interval
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "AsyncLLM":
@@ -253,14 +249,7 @@ class AsyncLLM:
             stream = self._open_streams.get(request_id)
             if stream is None:
                 continue
-            ended = StreamEndedError(f"request {request_id!r} was aborted")
-            if _running_loop() is stream.loop:
-                stream.queue.put_nowait(ended)
-                continue
-            try:  # (asyncio queues are not thread-safe)
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ended)
-            except RuntimeError:  # the caller's event loop is gone
-                pass
+            stream.put(StreamEndedError(f"request {request_id!r} was aborted"))
         if request_ids:
             self._commands.put(("abort", list(request_ids), None))
 

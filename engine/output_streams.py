@@ -23,9 +23,27 @@ class OutputStream:
     queue: asyncio.Queue
     coalescer: DeltaCoalescer | None = None  # a DELTA stream with stream_interval > 1 or "auto" (engine thread only)
 
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Into the queue from any thread: at once on the stream's own loop, else handed over to it (asyncio
+        queues are not thread-safe); nothing if that loop is gone."""
+        if _running_loop() is self.loop:
+            self.queue.put_nowait(item)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+
 
 # A step's outputs by the event loop they go to: (the stream's queue, the output) in delivery order.
 Outbox = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
@@ -41,6 +59,7 @@ class OutputStreams:
         self.stream_interval = validate_stream_interval(stream_interval)
         self._streams: dict[str, OutputStream] = {}
         self._num_coalesced = 0  # open streams with a coalescer: "auto"'s load
+        self._interval: int | None = None  # "auto": the interval for that load (None: each coalescer's own)
 
     def open(self, loop: asyncio.AbstractEventLoop, output_kind: OutputKind) -> OutputStream:
         """A new stream for a request of this kind (any thread: it is not registered until `add`)."""
@@ -50,7 +69,8 @@ class OutputStreams:
 
     def add(self, request_id: str, stream: OutputStream) -> None:
         self._streams[request_id] = stream
-        self._num_coalesced += stream.coalescer is not None
+        if stream.coalescer is not None:
+            self._count_coalesced(+1)
 
     def request_ids(self) -> list[str]:
         return list(self._streams)
@@ -63,7 +83,12 @@ class OutputStreams:
         """The request's stream gets nothing more (finished, failed or aborted)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and stream.coalescer is not None:
-            self._num_coalesced -= 1
+            self._count_coalesced(-1)
+
+    def _count_coalesced(self, change: int) -> None:
+        self._num_coalesced += change
+        if self.stream_interval == AUTO:
+            self._interval = auto_interval(self._num_coalesced)
 
     def deliver(self, request_id: str, item: RequestOutput | BaseException, outbox: Outbox | None = None) -> None:
         """Route one output (or a failure) to its request's stream: now, or into `outbox` (a step's
@@ -79,8 +104,7 @@ class OutputStreams:
                 if held is not None:
                     self._put(stream, held, outbox)
             else:
-                interval = auto_interval(self._num_coalesced) if self.stream_interval == AUTO else None
-                item = stream.coalescer.push(item, interval)  # type: ignore[assignment]
+                item = stream.coalescer.push(item, self._interval)  # type: ignore[assignment]
                 if item is None:
                     return  # held: sent with a later output
         self._put(stream, item, outbox)
@@ -89,11 +113,8 @@ class OutputStreams:
     def _put(stream: OutputStream, item: RequestOutput | BaseException, outbox: Outbox | None = None) -> None:
         if outbox is not None:
             outbox.setdefault(stream.loop, []).append((stream.queue, item))
-            return
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is gone
-            pass
+        else:
+            stream.put(item)
 
     @staticmethod
     def send(outbox: Outbox) -> None:
