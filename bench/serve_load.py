@@ -70,7 +70,7 @@ def add_load_args(p: argparse.ArgumentParser, num_prompts: int = 100) -> None:
     p.add_argument("--input-len", type=parse_range, default=(32, 128), help="N or LOW:HIGH")
     p.add_argument("--output-len", type=parse_range, default=(16, 64), help="N or LOW:HIGH")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait on a silent connection or stream before it counts as failed")
     p.add_argument("--slo-attainment", type=float, default=0.9,
                    help="share of requests that must meet --slo for a rate to count as meeting it")
 
