@@ -186,7 +186,10 @@ inline void to_even_odd(float* x, int64_t n) {
 // Sapphire Rapids VM) it issued at a quarter of the FMA rate, and scoring with it was no faster.
 // The next block's rows are requested line by line (not every other line, leaving the pair to the L2's
 // adjacent-line prefetcher, which a host may have turned off): in paired runs on a loaded 2-core machine
-// the two were within noise of each other.
+// the two were within noise of each other. The scores pass also requests each block's values (and the first
+// block of keys before it starts): the values pass that follows then reads them from cache instead of
+// waiting on memory block by block (64 sequences x 225 tokens x 30 layers of the default model's shapes,
+// bf16, random blocks: 39.3 against 44.1 ms, means of four interleaved runs on a 2-core EPYC guest).
 constexpr int64_t kPrefetchStride = 64;
 
 // Lane t of the result is the sum of the 16 lanes of acc[t].
@@ -276,16 +279,18 @@ struct PagedRows {
 // Scores of the item's query heads for its tokens [t0, t1): scores[h * stride + j] for token t0 + j and the
 // item's h-th query head (KV head h / group at kv_stride elements into a row). Keys are taken 16 at a time
 // within a block, every KV head of a block before the next block; a shorter run (a partial block, or blocks
-// under 16 tokens) is first copied into a zero-padded tile.
+// under 16 tokens) is first copied into a zero-padded tile. `values`: the same tokens' V rows, only prefetched.
 template <int D, typename T>
-void key_scores(const PagedRows<T>& rows, int64_t kv_heads, int64_t kv_stride, int64_t t0, int64_t t1,
-                const float* q, int64_t group, int64_t head_size, float scale, float* scores,
-                int64_t stride, T* tile) {
+void key_scores(const PagedRows<T>& rows, const PagedRows<T>& values, int64_t kv_heads, int64_t kv_stride,
+                int64_t t0, int64_t t1, const float* q, int64_t group, int64_t head_size, float scale,
+                float* scores, int64_t stride, T* tile) {
   const __m512 scale_v = _mm512_set1_ps(scale);
   const int64_t row_bytes = head_size * static_cast<int64_t>(sizeof(T));
+  if (t0 < t1) rows.prefetch_block_of(t0);
   for (int64_t t = t0; t < t1;) {
     const int64_t block_end = rows.block_end(t, t1);
     if (block_end < t1) rows.prefetch_block_of(block_end);
+    values.prefetch_block_of(t);
     for (; t < block_end;) {
       const int64_t m = std::min<int64_t>(16, block_end - t);
       const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
@@ -576,7 +581,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       if (fast) {
         auto scores_with = [&](auto head_size_constant) {
           key_scores<decltype(head_size_constant)::value>(
-              fast_rows(k_data), kv_end - kv_begin, cache_head_stride, t0, t1, q_f + h_begin * head_size,
+              fast_rows(k_data), fast_rows(v_data), kv_end - kv_begin, cache_head_stride, t0, t1, q_f + h_begin * head_size,
               group, head_size, scale_f, scores + h_begin * stride, stride, tile);
         };
         if (head_size == 64) scores_with(std::integral_constant<int, 64>{});
