@@ -26,6 +26,8 @@ def _chunk(text: str) -> bytes:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
+    if request.headers.get("Authorization") not in (None, "Bearer sk-test"):
+        return web.json_response({"error": {"message": "bad key"}}, status=401)
     body = await request.json()
     behaviour = body["prompt"][0]
     if behaviour == 400:
@@ -109,3 +111,16 @@ def test_a_chunk_longer_than_a_read_buffer(server_url):
 def test_an_unreachable_server_fails_each_request():
     (result,) = run_load("http://127.0.0.1:9", "m", [BenchRequest([1], 2)], math.inf, None, 0, {}, 5.0).results
     assert not result.ok and result.error
+
+
+def test_the_caller_s_headers_go_with_every_request(server_url):
+    requests = [BenchRequest([1], 2)]
+    (good,) = run_load(server_url, "m", requests, math.inf, None, 0, {"Authorization": "Bearer sk-test"}, 30.0).results
+    (bad,) = run_load(server_url, "m", requests, math.inf, None, 0, {"Authorization": "Bearer wrong"}, 30.0).results
+    assert good.ok and good.output_tokens == 2
+    assert not bad.ok and bad.error.startswith("HTTP 401")
+
+
+def test_a_poisson_rate_with_a_concurrency_cap(server_url):
+    run = run_load(server_url, "m", [BenchRequest([1], 2) for _ in range(6)], 200.0, 2, 0, {}, 30.0)
+    assert all(r.ok and r.output_tokens == 2 for r in run.results)
