@@ -19,8 +19,8 @@ from torch.utils import cpp_extension
 
 from pagedserve.kernels.cpu.build import CFLAGS, SOURCES
 
-# AVX2 + FMA + F16C; AVX-512 without BF16; AVX-512 BF16 with AMX.
-TARGETS = ("x86-64-v3", "x86-64-v4", "sapphirerapids")
+# AVX2 + FMA + F16C; AVX-512 without BF16; AVX-512 BF16 without AMX (as on AMD Zen 4); AVX-512 BF16 with AMX.
+TARGETS = ("x86-64-v3", "x86-64-v4", "cooperlake", "sapphirerapids")
 COMPILER = shutil.which("c++")
 
 
