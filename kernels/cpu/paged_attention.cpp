@@ -571,10 +571,12 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       for (int64_t h = h_begin; h < h_end; ++h) {
         const T* src = q_data + it.seq * q_seq_stride + h * q_head_stride;
         float* qh = q_f + h * head_size;
-        to_float(src, qh, head_size);
         if (fast && dpbf16_scores<T>(head_size)) {  // the query as it came, bf16 (exact), for vdpbf16ps
           std::memcpy(static_cast<void*>(qh), src, head_size * sizeof(T));
-        } else if (fast) {  // the scores are scaled after the dot products, the query read in the keys' order
+          continue;
+        }
+        to_float(src, qh, head_size);
+        if (fast) {  // the scores are scaled after the dot products, the query read in the keys' order
           if (kEvenOdd<T>) to_even_odd(qh, head_size);
         } else {
           for (int64_t d = 0; d < head_size; ++d) qh[d] *= scale_f;
@@ -606,8 +608,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
       if (fast) {
         auto scores_with = [&](auto head_size_constant) {
           key_scores<decltype(head_size_constant)::value>(
-              fast_rows(k_data), fast_rows(v_data), kv_end - kv_begin, cache_head_stride, t0, t1, q_f + h_begin * head_size,
-              group, head_size, scale_f, scores + h_begin * stride, stride, tile);
+              fast_rows(k_data), fast_rows(v_data), kv_end - kv_begin, cache_head_stride, t0, t1,
+              q_f + h_begin * head_size, group, head_size, scale_f, scores + h_begin * stride, stride, tile);
         };
         if (head_size == 64) scores_with(std::integral_constant<int, 64>{});
         else if (head_size == 128) scores_with(std::integral_constant<int, 128>{});
