@@ -70,6 +70,8 @@ _RUN = {
                            "host_share": {"type": "number", "minimum": 0, "maximum": 1}},
         },
         "errors": {"type": "array", "items": {"type": "string"}},
+        # `bench serve --offline-baseline`: this run's output tokens/s over the offline engine's on the workload.
+        "served_to_offline": _NONNEG,
         # `bench serve`: the server's overhead split over the run (bench/overhead_split.py), in milliseconds.
         "overhead": {
             "type": "object", "required": ["stage_ms"],

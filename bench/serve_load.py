@@ -24,6 +24,11 @@ the contexts need `--kv-demand-ratio` (default 2) times one engine's cache. `--c
 power_of_two, prefix_approx, exact, exact+offload: bench/routing_compare.py) and reports TTFT p50/p90,
 output throughput and the prefix hit rate of each.
 
+`--offline-baseline` (with `--start-server`, one engine) first runs the same workload through an offline
+engine (`LLM`, `bench throughput`'s timed run) with the server's engine settings, before the server
+starts so that nothing of it runs beside the offline engine, and reports each rate's output throughput as
+a ratio of the offline one: what serving costs on this machine, measured in one command.
+
 `--chaos-kill-every S` runs every rate a second time while an engine replica is killed every S
 seconds (bench/chaos.py) and reports both side by side: goodput, p99 TTFT/TPOT, the longest stall a
 stream saw, and each kill's migration cost (from the kill to the first token after the seam).
@@ -42,7 +47,7 @@ from typing import Any
 
 from pagedserve.bench import chaos, common, routing_compare
 from pagedserve.bench import report as rep
-from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
+from pagedserve.bench.loadgen import SEED_TEXT, LoadRun, ServerInfo, run_load, server_info
 from pagedserve.bench.overhead_split import overhead_delta, overhead_table, scrape
 from pagedserve.bench.roofline import Machine, ModelFacts, step_roofline
 from pagedserve.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
@@ -136,6 +141,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--start-server", action="store_true", help="start a local server for MODEL first")
     p.add_argument("--slo", default=None, help="latency targets, e.g. ttft:500ms,tpot:50ms (goodput)")
+    p.add_argument("--offline-baseline", action="store_true",
+                   help="with --start-server: first run the workload through an offline engine with the same "
+                        "engine settings and report each rate's output throughput as a ratio of it")
     add_load_args(p)
     add_server_args(p)
     add_shared_prefix_args(p)
@@ -162,7 +170,51 @@ def check_load_args(ns: argparse.Namespace) -> dict[str, float] | None:
             raise ValueError("--compare-routing: needs --start-server (it starts one app per policy)")
         if len(ns.request_rate) != 1 or pd or getattr(ns, "chaos_kill_every", None):
             raise ValueError("--compare-routing: runs one --request-rate, without --pd or --chaos-kill-every")
+    if getattr(ns, "offline_baseline", False):
+        if not ns.start_server:
+            raise ValueError("--offline-baseline: needs --start-server (the offline engine takes the settings of "
+                             "the server it starts)")
+        if pd or (ns.data_parallel_size or 1) > 1 or shared_prefix_shape(ns) is not None \
+                or ns.compare_routing is not None:
+            raise ValueError("--offline-baseline: compares one engine on the random workload (without --pd, "
+                             "--data-parallel-size > 1, --workload shared-prefix or --compare-routing)")
     return parse_slo(ns.slo) if ns.slo else None
+
+
+# --------------------------------------------------------------------------- the offline baseline
+
+# The server settings an offline engine takes too (the rest describe the serving around the engine).
+OFFLINE_ENGINE_SETTINGS = ("kv_cache_memory", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                           "cpu_threads", "quantization", "kv_offload_size")
+
+
+def offline_baseline(model: str, ns: argparse.Namespace) -> dict[str, Any]:
+    """The workload `bench serve` is about to send, run through an offline `LLM` with the server's engine
+    settings: its prompts drawn from the same token ids the server's /tokenize gives for SEED_TEXT."""
+    import gc
+
+    from pagedserve.bench.throughput import timed_generate
+    from pagedserve.engine.llm import LLM
+
+    settings = server_settings(ns)
+    llm = LLM(model=model, **{k: settings[k] for k in OFFLINE_ENGINE_SETTINGS if k in settings})
+    try:
+        token_ids = sorted(set(llm.get_tokenizer().encode(SEED_TEXT, add_special_tokens=False)))
+        workload = make_workload(ns, token_ids, model)
+        print(f"offline baseline: {len(workload)} requests through an offline engine ...", file=sys.stderr,
+              flush=True)
+        _, outputs, seconds = timed_generate(llm, workload, use_tqdm=False)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+    failed = sum(1 for o in outputs if o.error)
+    if failed:
+        raise RuntimeError(f"--offline-baseline: {failed} of {len(outputs)} requests failed offline")
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"num_requests": len(workload), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "duration_s": seconds, "output_tokens_per_s": output_tokens / seconds}
 
 
 # --------------------------------------------------------------------------- a local server
@@ -353,6 +405,7 @@ def run(ns: argparse.Namespace) -> int:
     figures = common.machine(ns)
     server = None
     overhead = None
+    offline = None
     model = ns.model
     try:
         if ns.start_server:
@@ -360,6 +413,8 @@ def run(ns: argparse.Namespace) -> int:
                 from pagedserve.engine.models.default_model import resolve_default_model
 
                 model = resolve_default_model()
+            if ns.offline_baseline:  # before the server exists: nothing of it runs beside the offline engine
+                offline = offline_baseline(model, ns)
             from pagedserve.cluster.executor.ray_utils import free_port
 
             server = LocalServer.start(model, ns.port or free_port(), server_settings(ns))
@@ -389,6 +444,10 @@ def run(ns: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     summary = sweep_summary(runs, slo, ns.slo_attainment)
+    if offline is not None:
+        for r in runs:
+            r["served_to_offline"] = r["throughput"]["output_tokens_per_s"] / offline["output_tokens_per_s"]
+        summary["offline_baseline"] = offline
     if compared is not None:
         summary["chaos"] = compared
     if overhead is not None:
@@ -403,6 +462,10 @@ def run(ns: argparse.Namespace) -> int:
                      f"{overhead['serve_handle_median_ms']:.2f} ms, in-process coordinator "
                      f"{overhead['in_process_coordinator_median_ms']:.2f} ms median "
                      f"(+{overhead['serve_overhead_ms']:.2f} ms)")
+    if offline is not None:
+        parts.append(f"offline baseline (the same {offline['num_requests']} requests through an offline engine, "
+                     f"run before the server started): {offline['output_tokens_per_s']:.1f} out tok/s; served / "
+                     "offline: " + ", ".join(f"{r['name']} {r['served_to_offline']:.2f}x" for r in runs))
     for r in runs:
         parts.append(f"{r['name']}:\n{rep.latency_table(r)}")
     if slo:

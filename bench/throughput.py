@@ -94,6 +94,22 @@ def make_workload(ns: argparse.Namespace, llm: Any) -> list[BenchRequest]:
     return requests
 
 
+def timed_generate(llm: Any, workload: list[BenchRequest], use_tqdm: bool = True) -> tuple[Any, list, float]:
+    """Run `workload` through `llm` greedily at its exact output lengths, after a two-request warm-up and with
+    the prefix cache reset (so that the warm-up's prompts give the timed run no hits): the engine's stats
+    before the timed run, its outputs and its seconds."""
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    before = llm.get_stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    return before, outputs, time.perf_counter() - start
+
+
 def host_overhead_batch_sizes(value: str) -> list[int]:
     if value.strip().lower() in ("", "none"):
         return []
@@ -140,7 +156,6 @@ def run(ns: argparse.Namespace) -> int:
     from pagedserve.bench.hf_baseline import hf_baseline, parse_batch_sizes
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.models.loader import resolve_dtype
-    from pagedserve.engine.sampling_params import SamplingParams
 
     candidates = parse_batch_sizes(ns.hf_batch_sizes) if "hf" in ns.baseline else []
     llama_sizes = parse_batch_sizes(ns.llama_cpp_batch_sizes, "--llama-cpp-batch-sizes") if "llama-cpp" in ns.baseline else []
@@ -160,14 +175,7 @@ def run(ns: argparse.Namespace) -> int:
             hf_config = llm.llm_engine.config.hf_config
             max_num_seqs = llm.llm_engine.config.max_num_seqs
             facts = model_facts(model, ns.dtype, hf_config, quantization=ns.quantization or "auto")
-            prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
-            params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
-            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-            llm.reset_prefix_cache()
-            before = llm.get_stats()
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=True)
-            elapsed = time.perf_counter() - start
+            before, outputs, elapsed = timed_generate(llm, workload)
             stats = llm.get_stats()
             host = common.host_overhead(before, stats)
             spec = common.spec_decode_delta(before, stats)

@@ -134,10 +134,18 @@ def test_bench_serve_start_server(model, roofline_file, tmp_path):
         rc = main(["bench", "serve", model, "--start-server", "--num-prompts", "4", "--input-len", "4:8",
                    "--output-len", "3:5", "--request-rate", "8,inf", "--max-concurrency", "4",
                    "--slo", "ttft:60s,tpot:60s", "--kv-cache-memory", "16MiB", "--timeout", "120",
-                   "--roofline-file", roofline_file, "--output-json", str(out), "--plot", str(png)])
+                   "--roofline-file", roofline_file, "--output-json", str(out), "--plot", str(png),
+                   "--offline-baseline"])
     assert rc == 0
     report = _report(out)
     assert [r["params"]["request_rate"] for r in report["runs"]] == [8.0, "inf"]
+    # The offline engine ran the very workload the server got (same prompts, same exact output lengths).
+    offline = report["summary"]["offline_baseline"]
+    assert offline["num_requests"] == 4 and offline["output_tokens_per_s"] > 0
+    for run in report["runs"]:
+        assert (run["prompt_tokens"], run["output_tokens"]) == (offline["prompt_tokens"], offline["output_tokens"])
+        assert run["served_to_offline"] == pytest.approx(
+            run["throughput"]["output_tokens_per_s"] / offline["output_tokens_per_s"])
     for run in report["runs"]:
         assert run["completed"] == 4 and run["failed"] == 0
         assert 4 * 3 <= run["output_tokens"] <= 4 * 5
@@ -152,6 +160,22 @@ def test_bench_serve_start_server(model, roofline_file, tmp_path):
             assert 0 <= split[key]["framework_share"] <= 1
     assert report["summary"]["max_rate_meeting_slo"] == "inf"
     assert png.stat().st_size > 0
+
+
+def test_offline_baseline_needs_the_one_engine_server_bench_serve_starts():
+    import argparse
+
+    from pagedserve.bench import serve_load
+
+    parser = argparse.ArgumentParser()
+    serve_load.add_parser(parser.add_subparsers(dest="bench_command"))
+    serve_load.check_load_args(parser.parse_args(["serve", "--start-server", "--offline-baseline"]))
+    with pytest.raises(ValueError, match="--offline-baseline: needs --start-server"):
+        serve_load.check_load_args(parser.parse_args(["serve", "--offline-baseline"]))
+    for extra in (["--pd"], ["--data-parallel-size", "2"], ["--workload", "shared-prefix"],
+                  ["--compare-routing", "exact"]):
+        with pytest.raises(ValueError, match="--offline-baseline: compares one engine"):
+            serve_load.check_load_args(parser.parse_args(["serve", "--start-server", "--offline-baseline", *extra]))
 
 
 @pytest.mark.slow
