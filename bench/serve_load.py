@@ -197,7 +197,16 @@ def offline_baseline(model: str, ns: argparse.Namespace) -> dict[str, Any]:
     from pagedserve.engine.llm import LLM
 
     settings = server_settings(ns)
-    llm = LLM(model=model, **{k: settings[k] for k in OFFLINE_ENGINE_SETTINGS if k in settings})
+    kwargs = {k: settings[k] for k in OFFLINE_ENGINE_SETTINGS if k in settings}
+    reserved = settings.get("num_cpus_per_engine")
+    if "cpu_threads" not in kwargs and reserved is not None:
+        from pagedserve.cluster.executor.ray_utils import engine_threads
+
+        # The threads the served engine runs on the CPUs it reserves (without the flag: every core, as here).
+        threads = engine_threads(None, reserved, 0, None)
+        if threads is not None:
+            kwargs["cpu_threads"] = threads
+    llm = LLM(model=model, **kwargs)
     try:
         token_ids = sorted(set(llm.get_tokenizer().encode(SEED_TEXT, add_special_tokens=False)))
         workload = make_workload(ns, token_ids, model)

@@ -178,6 +178,50 @@ def test_offline_baseline_needs_the_one_engine_server_bench_serve_starts():
             serve_load.check_load_args(parser.parse_args(["serve", "--start-server", "--offline-baseline", *extra]))
 
 
+def test_offline_baseline_runs_the_served_engine_settings_on_the_served_workload(monkeypatch):
+    """The offline engine gets the server's engine settings (and, with --num-cpus-per-engine, the threads the
+    served engine runs on those CPUs), never the serving ones, and the workload bench serve sends."""
+    import argparse
+    from types import SimpleNamespace
+
+    from pagedserve.bench import serve_load, throughput
+    from pagedserve.engine import llm as llm_module
+
+    made: list[dict] = []
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            made.append(dict(kwargs, model=model))
+
+        def get_tokenizer(self):
+            return SimpleNamespace(encode=lambda text, add_special_tokens: [7, 3, 3, 5])
+
+        def shutdown(self):
+            pass
+
+    def fake_timed_generate(llm, workload, use_tqdm=True):
+        made[-1]["workload"] = workload
+        outputs = [SimpleNamespace(error=None, outputs=[SimpleNamespace(token_ids=[1] * r.output_len)])
+                   for r in workload]
+        return None, outputs, 2.0
+
+    monkeypatch.setattr(llm_module, "LLM", FakeLLM)
+    monkeypatch.setattr(throughput, "timed_generate", fake_timed_generate)
+    parser = argparse.ArgumentParser()
+    serve_load.add_parser(parser.add_subparsers(dest="bench_command"))
+    ns = parser.parse_args(["serve", "--start-server", "--offline-baseline", "--num-prompts", "3", "--input-len",
+                            "4", "--output-len", "5", "--num-cpus-per-engine", "3", "--dtype", "float32",
+                            "--stream-interval", "4", "--max-num-seqs", "8"])
+    result = serve_load.offline_baseline("some-model", ns)
+    (kwargs,) = made
+    workload = kwargs.pop("workload")
+    assert kwargs == {"model": "some-model", "kv_cache_memory": ns.kv_cache_memory, "dtype": "float32",
+                      "max_num_seqs": 8, "cpu_threads": 3}
+    assert workload == serve_load.make_workload(ns, [3, 5, 7], "some-model")  # the seed text's ids, sorted
+    assert result == {"num_requests": 3, "prompt_tokens": 12, "output_tokens": 15, "duration_s": 2.0,
+                      "output_tokens_per_s": 7.5}
+
+
 @pytest.mark.slow
 def test_tune_two_by_two_writes_a_deployable_config(model, roofline_file, tmp_path):
     out, config_path, png = tmp_path / "tune.json", tmp_path / "tuned.yaml", tmp_path / "tune.png"
