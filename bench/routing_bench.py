@@ -12,7 +12,8 @@ from typing import Any
 from pagedserve.bench import common, routing_compare
 from pagedserve.bench import report as rep
 from pagedserve.bench.loadgen import run_load, server_info
-from pagedserve.bench.serve_load import LocalServer, check_fits, make_workload, run_entry, server_settings, \
+from pagedserve.bench.local_server import LocalServer
+from pagedserve.bench.serve_load import check_fits, make_workload, run_entry, server_settings, \
     shared_prefix_shape
 from pagedserve.bench.slo import rate_label
 from pagedserve.bench.workload import BenchRequest, synthetic

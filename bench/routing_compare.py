@@ -1,6 +1,6 @@
 """`pagedserve bench serve --compare-routing`: the same workload on the same engines under each routing policy.
 
-One app per policy, started and deleted in turn on the one Ray instance (`serve_load.LocalServer`), each with
+One app per policy, started and deleted in turn on the one Ray instance (`local_server.LocalServer`), each with
 the same engine settings, workload, rate and seed, so that only the router (and, for "exact+offload", the
 offload tier) differs: cache-blind "random" and "power_of_two", the approximate "prefix_approx", "exact"
 (routing on the engines' KV events) and "exact+offload" (exact, with a `--kv-offload-size` tier under every

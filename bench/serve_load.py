@@ -37,17 +37,16 @@ stream saw, and each kill's migration cost (from the kill to the first token aft
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.bench import chaos, common, routing_compare
 from pagedserve.bench import report as rep
-from pagedserve.bench.loadgen import SEED_TEXT, LoadRun, ServerInfo, run_load, server_info
+from pagedserve.bench.local_server import LocalServer
+from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
+from pagedserve.bench.offline_baseline import offline_baseline
 from pagedserve.bench.overhead_split import overhead_delta, overhead_table, scrape
 from pagedserve.bench.roofline import Machine, ModelFacts, step_roofline
 from pagedserve.bench.slo import goodput, max_rate_meeting_slo, parse_slo, rate_label
@@ -181,85 +180,7 @@ def check_load_args(ns: argparse.Namespace) -> dict[str, float] | None:
     return parse_slo(ns.slo) if ns.slo else None
 
 
-# --------------------------------------------------------------------------- the offline baseline
-
-# The server settings an offline engine takes too (the rest describe the serving around the engine).
-OFFLINE_ENGINE_SETTINGS = ("kv_cache_memory", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                           "cpu_threads", "quantization", "kv_offload_size")
-
-
-def offline_baseline(model: str, ns: argparse.Namespace) -> dict[str, Any]:
-    """The workload `bench serve` is about to send, run through an offline `LLM` with the server's engine
-    settings: its prompts drawn from the same token ids the server's /tokenize gives for SEED_TEXT."""
-    import gc
-
-    from pagedserve.bench.throughput import timed_generate
-    from pagedserve.engine.llm import LLM
-
-    settings = server_settings(ns)
-    kwargs = {k: settings[k] for k in OFFLINE_ENGINE_SETTINGS if k in settings}
-    reserved = settings.get("num_cpus_per_engine")
-    if "cpu_threads" not in kwargs and reserved is not None:
-        from pagedserve.cluster.executor.ray_utils import engine_threads
-
-        # The threads the served engine runs on the CPUs it reserves (without the flag: every core, as here).
-        threads = engine_threads(None, reserved, 0, None)
-        if threads is not None:
-            kwargs["cpu_threads"] = threads
-    llm = LLM(model=model, **kwargs)
-    try:
-        token_ids = sorted(set(llm.get_tokenizer().encode(SEED_TEXT, add_special_tokens=False)))
-        workload = make_workload(ns, token_ids, model)
-        print(f"offline baseline: {len(workload)} requests through an offline engine ...", file=sys.stderr,
-              flush=True)
-        _, outputs, seconds = timed_generate(llm, workload, use_tqdm=False)
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-    failed = sum(1 for o in outputs if o.error)
-    if failed:
-        raise RuntimeError(f"--offline-baseline: {failed} of {len(outputs)} requests failed offline")
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"num_requests": len(workload), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-            "duration_s": seconds, "output_tokens_per_s": output_tokens / seconds}
-
-
 # --------------------------------------------------------------------------- a local server
-
-
-@dataclass
-class LocalServer:
-    """A server this process started on 127.0.0.1 (`start_server`), stopped by `stop()`."""
-
-    url: str
-    app_name: str
-    args: Any = None  # the app's ServeArgs
-
-    @classmethod
-    def start(cls, model: str, port: int, settings: dict[str, Any]) -> "LocalServer":
-        import ray
-
-        if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-            # A Ray of its own on loopback (as the tests run it): address="local" never joins another
-            # session that happens to run on this machine.
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        from pagedserve.cluster.serve.app import server_url, start_server
-        from pagedserve.cluster.settings import ServeArgs
-
-        args = ServeArgs(model=model, host="127.0.0.1", port=port, **settings)
-        print(f"starting a server for {args.model} on 127.0.0.1:{port} ({settings}) ...", file=sys.stderr,
-              flush=True)
-        start_server(args)
-        return cls(server_url(args), args.app_name, args)
-
-    def stop(self, everything: bool = True) -> None:
-        """Delete the app (its engines stop); with `everything`, shut Serve down too."""
-        from pagedserve.cluster.serve.app import shutdown_server
-
-        shutdown_server(None if everything else self.app_name)
 
 
 def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
@@ -423,7 +344,8 @@ def run(ns: argparse.Namespace) -> int:
 
                 model = resolve_default_model()
             if ns.offline_baseline:  # before the server exists: nothing of it runs beside the offline engine
-                offline = offline_baseline(model, ns)
+                offline = offline_baseline(model, server_settings(ns),
+                                           lambda token_ids: make_workload(ns, token_ids, model))
             from pagedserve.cluster.executor.ray_utils import free_port
 
             server = LocalServer.start(model, ns.port or free_port(), server_settings(ns))

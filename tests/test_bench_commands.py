@@ -185,6 +185,7 @@ def test_offline_baseline_runs_the_served_engine_settings_on_the_served_workload
     from types import SimpleNamespace
 
     from pagedserve.bench import serve_load, throughput
+    from pagedserve.bench.offline_baseline import offline_baseline
     from pagedserve.engine import llm as llm_module
 
     made: list[dict] = []
@@ -212,7 +213,8 @@ def test_offline_baseline_runs_the_served_engine_settings_on_the_served_workload
     ns = parser.parse_args(["serve", "--start-server", "--offline-baseline", "--num-prompts", "3", "--input-len",
                             "4", "--output-len", "5", "--num-cpus-per-engine", "3", "--dtype", "float32",
                             "--stream-interval", "4", "--max-num-seqs", "8"])
-    result = serve_load.offline_baseline("some-model", ns)
+    result = offline_baseline("some-model", serve_load.server_settings(ns),
+                              lambda token_ids: serve_load.make_workload(ns, token_ids, "some-model"))
     (kwargs,) = made
     workload = kwargs.pop("workload")
     assert kwargs == {"model": "some-model", "kv_cache_memory": ns.kv_cache_memory, "dtype": "float32",

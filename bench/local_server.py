@@ -1,0 +1,44 @@
+"""A server the bench starts itself (`bench serve --start-server`, the routing comparison): the app on a Ray
+instance of its own on loopback, deleted at the end."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class LocalServer:
+    """A server this process started on 127.0.0.1 (`start_server`), stopped by `stop()`."""
+
+    url: str
+    app_name: str
+    args: Any = None  # the app's ServeArgs
+
+    @classmethod
+    def start(cls, model: str, port: int, settings: dict[str, Any]) -> "LocalServer":
+        import ray
+
+        if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+            # A Ray of its own on loopback (as the tests run it): address="local" never joins another
+            # session that happens to run on this machine.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        from pagedserve.cluster.serve.app import server_url, start_server
+        from pagedserve.cluster.settings import ServeArgs
+
+        args = ServeArgs(model=model, host="127.0.0.1", port=port, **settings)
+        print(f"starting a server for {args.model} on 127.0.0.1:{port} ({settings}) ...", file=sys.stderr,
+              flush=True)
+        start_server(args)
+        return cls(server_url(args), args.app_name, args)
+
+    def stop(self, everything: bool = True) -> None:
+        """Delete the app (its engines stop); with `everything`, shut Serve down too."""
+        from pagedserve.cluster.serve.app import shutdown_server
+
+        shutdown_server(None if everything else self.app_name)
+
