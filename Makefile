@@ -67,7 +67,7 @@ bench-default-model: install
 		--hf-batch-sizes 16,32,64 --llama-cpp-batch-sizes 8,16,32 --llama-cpp-types $(LLAMA_CPP_TYPES) \
 		--output-json $(BENCH_OUT)/throughput-default-model.json $(ARGS)
 	$(PAGEDSERVE) bench serve --start-server --num-prompts 64 --input-len 32:256 --output-len 32:128 \
-		--request-rate inf --output-json $(BENCH_OUT)/serve-default-model.json $(ARGS)
+		--request-rate inf --offline-baseline --output-json $(BENCH_OUT)/serve-default-model.json $(ARGS)
 
 # One batch's latency on the default model: prefill and per-token decode, beside their roofline.
 bench-latency: install
