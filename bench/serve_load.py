@@ -180,7 +180,7 @@ def check_load_args(ns: argparse.Namespace) -> dict[str, float] | None:
     return parse_slo(ns.slo) if ns.slo else None
 
 
-# --------------------------------------------------------------------------- a local server
+# --------------------------------------------------------------------------- the server it starts
 
 
 def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
