@@ -13,21 +13,18 @@ from typing import Any
 from pagedserve.bench.loadgen import SEED_TEXT
 from pagedserve.bench.workload import BenchRequest
 
-# The server settings an offline engine takes too (the rest describe the serving around the engine).
-OFFLINE_ENGINE_SETTINGS = ("kv_cache_memory", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                           "cpu_threads", "quantization", "kv_offload_size")
 
+def offline_engine_kwargs(model: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The engine part of the server's settings (`ServeArgs.engine_kwargs`, what the served engine is built
+    from; the model included), with the threads its engine runs when `num_cpus_per_engine` is set (the CPUs
+    it reserves, `ray_utils.engine_threads`; without it the served engine, like this one, uses every core)."""
+    from pagedserve.cluster.executor.ray_utils import engine_threads
+    from pagedserve.cluster.settings import ServeArgs
 
-def offline_engine_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
-    """The server's engine settings, with the threads its engine runs when `num_cpus_per_engine` is set (the
-    CPUs it reserves, `ray_utils.engine_threads`; without it the served engine, like this one, uses every
-    core)."""
-    kwargs = {k: settings[k] for k in OFFLINE_ENGINE_SETTINGS if k in settings}
-    reserved = settings.get("num_cpus_per_engine")
-    if "cpu_threads" not in kwargs and reserved is not None:
-        from pagedserve.cluster.executor.ray_utils import engine_threads
-
-        threads = engine_threads(None, reserved, 0, None)
+    args = ServeArgs(model=model, **settings)
+    kwargs = args.engine_kwargs()
+    if "cpu_threads" not in kwargs and "num_cpus_per_engine" in args.model_fields_set:
+        threads = engine_threads(None, args.num_cpus_per_engine, 0, None)
         if threads is not None:
             kwargs["cpu_threads"] = threads
     return kwargs
@@ -40,7 +37,7 @@ def offline_baseline(model: str, settings: dict[str, Any],
     from pagedserve.bench.throughput import timed_generate
     from pagedserve.engine.llm import LLM
 
-    llm = LLM(model=model, **offline_engine_kwargs(settings))
+    llm = LLM(**offline_engine_kwargs(model, settings))
     try:
         token_ids = sorted(set(llm.get_tokenizer().encode(SEED_TEXT, add_special_tokens=False)))
         workload = make_workload(token_ids)

@@ -178,7 +178,7 @@ def test_offline_baseline_needs_the_one_engine_server_bench_serve_starts():
             serve_load.check_load_args(parser.parse_args(["serve", "--start-server", "--offline-baseline", *extra]))
 
 
-def test_offline_baseline_runs_the_served_engine_settings_on_the_served_workload(monkeypatch):
+def test_offline_baseline_runs_the_served_engine_settings_on_the_served_workload(monkeypatch, tmp_path):
     """The offline engine gets the server's engine settings (and, with --num-cpus-per-engine, the threads the
     served engine runs on those CPUs), never the serving ones, and the workload bench serve sends."""
     import argparse
@@ -213,13 +213,14 @@ def test_offline_baseline_runs_the_served_engine_settings_on_the_served_workload
     ns = parser.parse_args(["serve", "--start-server", "--offline-baseline", "--num-prompts", "3", "--input-len",
                             "4", "--output-len", "5", "--num-cpus-per-engine", "3", "--dtype", "float32",
                             "--stream-interval", "4", "--max-num-seqs", "8"])
-    result = offline_baseline("some-model", serve_load.server_settings(ns),
-                              lambda token_ids: serve_load.make_workload(ns, token_ids, "some-model"))
+    model = str(tmp_path)  # (the server's settings check that the model is a folder or a GGUF file)
+    result = offline_baseline(model, serve_load.server_settings(ns),
+                              lambda token_ids: serve_load.make_workload(ns, token_ids, model))
     (kwargs,) = made
     workload = kwargs.pop("workload")
-    assert kwargs == {"model": "some-model", "kv_cache_memory": ns.kv_cache_memory, "dtype": "float32",
+    assert kwargs == {"model": model, "kv_cache_memory": ns.kv_cache_memory, "dtype": "float32",
                       "max_num_seqs": 8, "cpu_threads": 3}
-    assert workload == serve_load.make_workload(ns, [3, 5, 7], "some-model")  # the seed text's ids, sorted
+    assert workload == serve_load.make_workload(ns, [3, 5, 7], model)  # the seed text's ids, sorted
     assert result == {"num_requests": 3, "prompt_tokens": 12, "output_tokens": 15, "duration_s": 2.0,
                       "output_tokens_per_s": 7.5}
 
