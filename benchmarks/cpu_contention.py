@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 from pagedserve.bench.throughput import timed_generate
 from pagedserve.bench.workload import BenchRequest, parse_range, synthetic, vocab_token_ids
@@ -52,7 +51,7 @@ while True:
 """
 
 
-@dataclass
+@dataclasses.dataclass
 class Round:
     alone_tok_s: float
     beside_tok_s: float
@@ -120,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.neighbour_priority not in ("normal", "idle") and not re.fullmatch(r"nice(1[0-9]|[0-9])", ns.neighbour_priority):
         p.error("--neighbour-priority must be normal, idle or niceN (N 0-19)")
 
+    import torch
+
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.models.default_model import resolve_default_model
-
-    import torch
 
     llm = LLM(model=ns.model or resolve_default_model(), dtype=ns.dtype, kv_cache_memory=ns.kv_cache_memory)
     ids = vocab_token_ids(llm.get_tokenizer(), llm.llm_engine.config.hf_config.vocab_size)
