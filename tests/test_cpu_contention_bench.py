@@ -40,7 +40,7 @@ def test_a_niced_neighbour_is_measured_too(bench, tiny_llama):
     from pagedserve.engine.llm import LLM
 
     llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="16MiB")
-    workload = [bench.BenchRequest(list(range(3, 11)), 4)]
+    workload = [bench.BenchRequest(list(range(3 + i, 11 + i)), 16) for i in range(4)]  # long enough to be scheduled
     tok_s, share = bench.run_beside_neighbour(llm, workload, 1.0, 1.0, "nice19")
     assert tok_s > 0 and 0 < share <= 1
 
