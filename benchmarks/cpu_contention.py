@@ -42,13 +42,26 @@ def stop(*_):
     print(time.process_time(), flush=True)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
-print("ready", time.process_time(), flush=True)
+# What it runs at, as the kernel has it (so a priority asked for is one applied).
+print("ready", time.process_time(), os.getpriority(os.PRIO_PROCESS, 0),
+      int(os.sched_getscheduler(0) == os.SCHED_IDLE), flush=True)
 while True:
     t = time.perf_counter()
     while time.perf_counter() - t < busy:
         pass
     time.sleep(idle)
 """
+
+
+@dataclasses.dataclass
+class NeighbourRun:
+    """One run beside the neighbour: the engine's output tokens/s, the neighbour's share of the machine's
+    CPU time, and the scheduling the neighbour ran at (its nice value; SCHED_IDLE or not)."""
+
+    tok_s: float
+    share: float
+    nice: int
+    sched_idle: bool
 
 
 @dataclasses.dataclass
@@ -70,9 +83,9 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def run_beside_neighbour(llm, workload: list[BenchRequest], busy_ms: float, idle_ms: float, policy: str) -> tuple[float, float]:
-    """(output tokens/s, the neighbour's share of the machine's CPU time) for one run beside the neighbour
-    (`policy`: "normal", "idle" for SCHED_IDLE, or "niceN")."""
+def run_beside_neighbour(llm, workload: list[BenchRequest], busy_ms: float, idle_ms: float,
+                         policy: str) -> NeighbourRun:
+    """One timed run beside the neighbour (`policy`: "normal", "idle" for SCHED_IDLE, or "niceN")."""
     child = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(busy_ms / 1e3), str(idle_ms / 1e3), policy],
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -80,6 +93,7 @@ def run_beside_neighbour(llm, workload: list[BenchRequest], busy_ms: float, idle
         if not ready or ready[0] != "ready":
             raise RuntimeError("the neighbour process did not start")
         cpu_at_start = float(ready[1])  # (its interpreter's start-up is not part of the run)
+        nice, sched_idle = int(ready[2]), ready[3] == "1"
         started = time.perf_counter()
         _, outputs, seconds = timed_generate(llm, workload, use_tqdm=False)
         elapsed = time.perf_counter() - started
@@ -88,7 +102,7 @@ def run_beside_neighbour(llm, workload: list[BenchRequest], busy_ms: float, idle
         out, _ = child.communicate(timeout=30)
     # Over the whole call (the warm-up's few milliseconds included, on both sides of the ratio).
     share = (float(out.strip().splitlines()[-1]) - cpu_at_start) / elapsed / usable_cpus()
-    return output_tokens(outputs) / seconds, share
+    return NeighbourRun(output_tokens(outputs) / seconds, share, nice, sched_idle)
 
 
 def output_tokens(outputs) -> int:
@@ -134,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(ns.rounds):
         _, outputs, seconds = timed_generate(llm, workload, use_tqdm=False)
         alone = output_tokens(outputs) / seconds
-        beside, share = run_beside_neighbour(llm, workload, ns.busy_ms, ns.idle_ms, ns.neighbour_priority)
+        run = run_beside_neighbour(llm, workload, ns.busy_ms, ns.idle_ms, ns.neighbour_priority)
+        beside, share = run.tok_s, run.share
         rounds.append(Round(alone, beside, share))
         r = rounds[-1]
         print(f"round {i + 1}: alone {alone:.1f} out tok/s, beside {beside:.1f} ({beside / alone:.2f}x); "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,13 +37,19 @@ def test_rounds_report_throughput_alone_and_beside_a_measured_neighbour(bench, t
     assert report["neighbour"] == {"busy_ms": 2.0, "idle_ms": 2.0, "priority": "normal"}
 
 
-def test_a_niced_neighbour_is_measured_too(bench, tiny_llama):
+def test_the_neighbour_runs_at_the_priority_asked_and_is_measured(bench, tiny_llama):
     from pagedserve.engine.llm import LLM
 
     llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="16MiB")
     workload = [bench.BenchRequest(list(range(3 + i, 11 + i)), 16) for i in range(4)]  # long enough to be scheduled
-    tok_s, share = bench.run_beside_neighbour(llm, workload, 1.0, 1.0, "nice19")
-    assert tok_s > 0 and 0 < share <= 1
+    niced = bench.run_beside_neighbour(llm, workload, 1.0, 1.0, "nice19")
+    assert niced.tok_s > 0 and 0 < niced.share <= 1
+    assert (niced.nice, niced.sched_idle) == (19, False)
+    own_nice = os.getpriority(os.PRIO_PROCESS, 0)  # what an unchanged neighbour inherits
+    idle = bench.run_beside_neighbour(llm, workload, 1.0, 1.0, "idle")
+    assert idle.sched_idle and idle.nice == own_nice
+    normal = bench.run_beside_neighbour(llm, workload, 1.0, 1.0, "normal")
+    assert (normal.nice, normal.sched_idle) == (own_nice, False)
 
 
 @pytest.mark.parametrize("args", [["--neighbour-priority", "realtime"], ["--neighbour-priority", "nice25"],
