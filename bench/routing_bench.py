@@ -61,9 +61,12 @@ def run_routing_comparison(ns: argparse.Namespace) -> int:
             check_fits(info, ns)
             state.update(info=info, workload=make_workload(ns, info.token_ids, model))
         info = state["info"]
-        warm = [BenchRequest(r.prompt_token_ids[:8], 2) for r in synthetic(2 * base["data_parallel_size"], (8, 8),
-                                                                           (2, 2), ns.seed + 1, info.token_ids)]
-        run_load(server.url, info.model, warm, math.inf, None, ns.seed, headers, ns.timeout, desc="warm-up")
+        # --num-warmups per engine replica, each shorter than a KV block: the arms' caches start empty alike.
+        if ns.num_warmups:
+            warm = [BenchRequest(r.prompt_token_ids[:8], 2)
+                    for r in synthetic(ns.num_warmups * base["data_parallel_size"], (8, 8), (2, 2), ns.seed + 1,
+                                       info.token_ids)]
+            run_load(server.url, info.model, warm, math.inf, None, ns.seed, headers, ns.timeout, desc="warm-up")
         before = settled_counters(server.url, headers, ns.timeout)
         load = run_load(server.url, info.model, state["workload"], rate, ns.max_concurrency, ns.seed, headers,
                         ns.timeout, desc=arm.label)

@@ -12,6 +12,10 @@ and the sweep the highest rate that meets it; `--plot` draws latency against loa
 the shape's Serve handle against the in-process coordinator (`routing_overhead`); run it with and
 without `--pd` to compare the shapes.
 
+Before the first rate, `--num-warmups` requests (default 2, as `bench throughput` warms its engine) go out
+and count nowhere (`warm_up`): a fresh server's first requests pay one-off costs that would otherwise land
+in the first rate's figures.
+
 The roofline of a rate's decode step: by Little's law the mean number of sequences decoding at once
 is output tokens/s x mean TPOT; each step is one such batch at the mean context (prompt + half the
 output), measured as the mean TPOT.
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +79,9 @@ def add_load_args(p: argparse.ArgumentParser, num_prompts: int = 100) -> None:
     p.add_argument("--input-len", type=parse_range, default=(32, 128), help="N or LOW:HIGH")
     p.add_argument("--output-len", type=parse_range, default=(16, 64), help="N or LOW:HIGH")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-warmups", type=int, default=2, metavar="N",
+                   help="requests sent before each server's timed runs and not counted (default 2, as `bench "
+                        "throughput` warms its engine; 0: none): the server's first-use costs stay out of the figures")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait on a silent connection or stream before it counts as failed")
     p.add_argument("--slo-attainment", type=float, default=0.9,
                    help="share of requests that must meet --slo for a rate to count as meeting it")
@@ -153,6 +161,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def check_load_args(ns: argparse.Namespace) -> dict[str, float] | None:
     common.positive("--num-prompts", ns.num_prompts)
+    common.positive("--num-warmups", ns.num_warmups, minimum=0)
     if ns.max_concurrency is not None:
         common.positive("--max-concurrency", ns.max_concurrency)
     if not ns.timeout > 0:
@@ -266,8 +275,11 @@ def run_entry(load: LoadRun, name: str, params: dict[str, Any], slo: dict[str, f
 def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse.Namespace,
           slo: dict[str, float] | None, facts: ModelFacts | None, machine: Machine | None,
           params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
-          observe: Callable[[LoadRun, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run the workload at every --request-rate; one report run each (`observe(load, run)` may add to it)."""
+          observe: Callable[[LoadRun, dict[str, Any]], None] | None = None, warm: bool = True) -> list[dict[str, Any]]:
+    """Run the workload at every --request-rate; one report run each (`observe(load, run)` may add to it).
+    `warm`: first `--num-warmups` requests (`warm_up`), for a server that has not served this workload yet."""
+    if warm:
+        warm_up(url, info, workload, ns, headers or {})
     runs = []
     for rate in ns.request_rate:
         point = {**(params or {}), "request_rate": rate_label(rate), "max_concurrency": ns.max_concurrency}
@@ -283,6 +295,23 @@ def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse
             observe(load, entry)
         runs.append(entry)
     return runs
+
+
+def warm_up(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse.Namespace,
+            headers: dict[str, str]) -> None:
+    """Send `--num-warmups` requests, all at once, and wait for them (not counted anywhere): the first ones of the
+    workload at their own lengths, their prompts reversed so that they leave the timed requests no prefix-cache
+    hits. A fresh server's first requests pay one-off costs (connections, thread pools, first shapes) that
+    `bench throughput` keeps out of its timed run the same way; a failed warm-up request is reported, and the
+    timed runs show whether the server works."""
+    n = min(ns.num_warmups, len(workload))
+    if n == 0:
+        return
+    warm = [BenchRequest(r.prompt_token_ids[::-1], r.output_len) for r in workload[:n]]
+    load = run_load(url, info.model, warm, math.inf, None, ns.seed, headers, ns.timeout, desc="warm-up")
+    failed = [r for r in load.results if not r.ok]
+    if failed:
+        print(f"warm-up: {len(failed)} of {n} requests failed (first: {failed[0].error})", file=sys.stderr, flush=True)
 
 
 def check_fits(info: ServerInfo, ns: argparse.Namespace) -> None:
@@ -364,7 +393,8 @@ def run(ns: argparse.Namespace) -> int:
             every = ns.chaos_kill_every
             with chaos.ReplicaKiller(server.app_name if server else ns.app_name, every, ns.seed) as killer:
                 chaos_runs = sweep(ns.base_url, info, workload, ns, slo, facts, figures,
-                                   params={"chaos_kill_every_s": every}, headers=headers, observe=killer.observe)
+                                   params={"chaos_kill_every_s": every}, headers=headers, observe=killer.observe,
+                                   warm=False)
             compared = [chaos.comparison(calm, hit) for calm, hit in zip(runs, chaos_runs)]
             runs += chaos_runs
         if ns.routing_overhead and server is not None:

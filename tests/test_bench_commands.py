@@ -225,6 +225,52 @@ def test_offline_baseline_runs_the_served_engine_settings_on_the_served_workload
                       "output_tokens_per_s": 7.5}
 
 
+def test_bench_serve_warms_the_server_up_before_the_timed_runs(monkeypatch, capsys):
+    """--num-warmups requests go out (all at once) before the first rate and count nowhere: the workload's first
+    ones at their own lengths with their prompts reversed (no prefix-cache hits for the timed requests); 0 sends
+    none, a negative count is refused naming the flag, and a failed warm-up request is reported, not fatal."""
+    import argparse
+    import math
+
+    from pagedserve.bench import serve_load
+    from pagedserve.bench.loadgen import LoadRun, RequestResult, ServerInfo
+    from pagedserve.bench.workload import BenchRequest
+
+    sent: list[tuple[str, list[BenchRequest], float]] = []
+
+    def fake_run_load(url, model, workload, rate, max_concurrency, seed, headers, timeout, desc="requests"):
+        sent.append((desc, list(workload), rate))
+        ok = desc != "warm-up" or len(sent) > 1
+        return LoadRun([RequestResult(ok=ok, prompt_tokens=len(r.prompt_token_ids), output_tokens=r.output_len,
+                                      ttft=0.1, e2e=0.5, error="" if ok else "HTTP 503")
+                        for r in workload], 1.0)
+
+    monkeypatch.setattr(serve_load, "run_load", fake_run_load)
+    monkeypatch.setattr(serve_load, "scrape", lambda *a, **k: None)
+    parser = argparse.ArgumentParser()
+    serve_load.add_parser(parser.add_subparsers(dest="bench_command"))
+    info = ServerInfo("m", [1, 2, 3], 4096)
+    workload = [BenchRequest([1, 2, 3], 4), BenchRequest([3, 3, 2, 1], 2), BenchRequest([2], 7)]
+
+    ns = parser.parse_args(["serve", "--request-rate", "4,inf"])
+    assert ns.num_warmups == 2
+    runs = serve_load.sweep("http://x", info, workload, ns, None, None, None)
+    assert [(d, rate) for d, _, rate in sent] == [("warm-up", math.inf), ("rate 4.0", 4.0), ("rate inf", math.inf)]
+    assert sent[0][1] == [BenchRequest([3, 2, 1], 4), BenchRequest([1, 2, 3, 3], 2)]
+    assert sent[1][1] == sent[2][1] == workload
+    assert [r["num_requests"] for r in runs] == [3, 3]  # the warm-up counts nowhere
+    assert "warm-up: 2 of 2 requests failed (first: HTTP 503)" in capsys.readouterr().err
+
+    sent.clear()
+    serve_load.sweep("http://x", info, workload, parser.parse_args(["serve", "--num-warmups", "9"]), None, None, None)
+    assert len(sent[0][1]) == 3 and sent[0][0] == "warm-up"  # at most the whole workload
+    sent.clear()
+    serve_load.sweep("http://x", info, workload, parser.parse_args(["serve", "--num-warmups", "0"]), None, None, None)
+    assert [d for d, _, _ in sent] == ["rate inf"]
+    with pytest.raises(ValueError, match="--num-warmups: must be >= 0"):
+        serve_load.check_load_args(parser.parse_args(["serve", "--num-warmups", "-1"]))
+
+
 @pytest.mark.slow
 def test_tune_two_by_two_writes_a_deployable_config(model, roofline_file, tmp_path):
     out, config_path, png = tmp_path / "tune.json", tmp_path / "tuned.yaml", tmp_path / "tune.png"
