@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -159,3 +160,20 @@ def run_load(base_url: str, model: str, workload: list[BenchRequest], rate: floa
     """Send the workload at `rate` requests/s (Poisson; inf: all at once), at most `max_concurrency`
     in flight; a request fails when its connection or its stream is silent for `timeout` seconds."""
     return asyncio.run(_run_load(base_url, model, workload, rate, max_concurrency, seed, headers, timeout, desc))
+
+
+def warm_up(base_url: str, model: str, workload: list[BenchRequest], num: int, seed: int, headers: dict[str, str],
+            timeout: float) -> None:
+    """Send `num` warm-up requests, all at once, and wait for them (counted nowhere): the first ones of the
+    workload at their own lengths, their prompts reversed so that they leave the timed requests no prefix-cache
+    hits. A fresh server's first requests pay one-off costs (connections, thread pools, first shapes) that
+    `bench throughput` keeps out of its timed run the same way; a failed warm-up request is reported, and the
+    timed runs show whether the server works."""
+    n = min(num, len(workload))
+    if n == 0:
+        return
+    warm = [BenchRequest(r.prompt_token_ids[::-1], r.output_len) for r in workload[:n]]
+    load = run_load(base_url, model, warm, math.inf, None, seed, headers, timeout, desc="warm-up")
+    failed = [r for r in load.results if not r.ok]
+    if failed:
+        print(f"warm-up: {len(failed)} of {n} requests failed (first: {failed[0].error})", file=sys.stderr, flush=True)

@@ -43,14 +43,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from pagedserve.bench import chaos, common, routing_compare
 from pagedserve.bench import report as rep
 from pagedserve.bench.local_server import LocalServer
-from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info
+from pagedserve.bench.loadgen import LoadRun, ServerInfo, run_load, server_info, warm_up
 from pagedserve.bench.offline_baseline import offline_baseline
 from pagedserve.bench.overhead_split import overhead_delta, overhead_table, scrape
 from pagedserve.bench.roofline import Machine, ModelFacts, step_roofline
@@ -279,7 +278,7 @@ def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse
     """Run the workload at every --request-rate; one report run each (`observe(load, run)` may add to it).
     `warm`: first `--num-warmups` requests (`warm_up`), for a server that has not served this workload yet."""
     if warm:
-        warm_up(url, info, workload, ns, headers or {})
+        warm_up(url, info.model, workload, ns.num_warmups, ns.seed, headers or {}, ns.timeout)
     runs = []
     for rate in ns.request_rate:
         point = {**(params or {}), "request_rate": rate_label(rate), "max_concurrency": ns.max_concurrency}
@@ -295,23 +294,6 @@ def sweep(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse
             observe(load, entry)
         runs.append(entry)
     return runs
-
-
-def warm_up(url: str, info: ServerInfo, workload: list[BenchRequest], ns: argparse.Namespace,
-            headers: dict[str, str]) -> None:
-    """Send `--num-warmups` requests, all at once, and wait for them (not counted anywhere): the first ones of the
-    workload at their own lengths, their prompts reversed so that they leave the timed requests no prefix-cache
-    hits. A fresh server's first requests pay one-off costs (connections, thread pools, first shapes) that
-    `bench throughput` keeps out of its timed run the same way; a failed warm-up request is reported, and the
-    timed runs show whether the server works."""
-    n = min(ns.num_warmups, len(workload))
-    if n == 0:
-        return
-    warm = [BenchRequest(r.prompt_token_ids[::-1], r.output_len) for r in workload[:n]]
-    load = run_load(url, info.model, warm, math.inf, None, ns.seed, headers, ns.timeout, desc="warm-up")
-    failed = [r for r in load.results if not r.ok]
-    if failed:
-        print(f"warm-up: {len(failed)} of {n} requests failed (first: {failed[0].error})", file=sys.stderr, flush=True)
 
 
 def check_fits(info: ServerInfo, ns: argparse.Namespace) -> None:

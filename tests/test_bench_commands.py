@@ -232,7 +232,7 @@ def test_bench_serve_warms_the_server_up_before_the_timed_runs(monkeypatch, caps
     import argparse
     import math
 
-    from pagedserve.bench import serve_load
+    from pagedserve.bench import loadgen, serve_load
     from pagedserve.bench.loadgen import LoadRun, RequestResult, ServerInfo
     from pagedserve.bench.workload import BenchRequest
 
@@ -246,6 +246,7 @@ def test_bench_serve_warms_the_server_up_before_the_timed_runs(monkeypatch, caps
                         for r in workload], 1.0)
 
     monkeypatch.setattr(serve_load, "run_load", fake_run_load)
+    monkeypatch.setattr(loadgen, "run_load", fake_run_load)
     monkeypatch.setattr(serve_load, "scrape", lambda *a, **k: None)
     parser = argparse.ArgumentParser()
     serve_load.add_parser(parser.add_subparsers(dest="bench_command"))
