@@ -69,6 +69,8 @@ class Round:
     alone_tok_s: float
     beside_tok_s: float
     neighbour_share: float  # of the machine's CPU time over the run beside it
+    neighbour_nice: int  # the scheduling the neighbour ran at, as the kernel had it
+    neighbour_sched_idle: bool
 
     @property
     def loss(self) -> float:
@@ -149,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         _, outputs, seconds = timed_generate(llm, workload, use_tqdm=False)
         alone = output_tokens(outputs) / seconds
         run = run_beside_neighbour(llm, workload, ns.busy_ms, ns.idle_ms, ns.neighbour_priority)
-        beside, share = run.tok_s, run.share
-        rounds.append(Round(alone, beside, share))
-        r = rounds[-1]
-        print(f"round {i + 1}: alone {alone:.1f} out tok/s, beside {beside:.1f} ({beside / alone:.2f}x); "
-              f"neighbour {share:.1%} of the machine; cost per neighbour CPU-second {r.cost_per_cpu_second:.2f}")
+        r = Round(alone, run.tok_s, run.share, run.nice, run.sched_idle)
+        rounds.append(r)
+        print(f"round {i + 1}: alone {alone:.1f} out tok/s, beside {r.beside_tok_s:.1f} "
+              f"({r.beside_tok_s / alone:.2f}x); neighbour {r.neighbour_share:.1%} of the machine at nice "
+              f"{r.neighbour_nice}{' SCHED_IDLE' if r.neighbour_sched_idle else ''}; cost per neighbour CPU-second "
+              f"{r.cost_per_cpu_second:.2f}")
     med = statistics.median
     summary = {"alone_tok_s": med(r.alone_tok_s for r in rounds), "beside_tok_s": med(r.beside_tok_s for r in rounds),
                "neighbour_share": med(r.neighbour_share for r in rounds),

@@ -34,6 +34,8 @@ def test_rounds_report_throughput_alone_and_beside_a_measured_neighbour(bench, t
     for r in report["rounds"]:
         assert r["alone_tok_s"] > 0 and r["beside_tok_s"] > 0
         assert 0 < r["neighbour_share"] <= 1  # it ran (half its time spinning), measured from its own CPU time
+        # The scheduling it really ran at (an unchanged neighbour inherits this process's nice).
+        assert (r["neighbour_nice"], r["neighbour_sched_idle"]) == (os.getpriority(os.PRIO_PROCESS, 0), False)
     assert report["neighbour"] == {"busy_ms": 2.0, "idle_ms": 2.0, "priority": "normal"}
 
 
