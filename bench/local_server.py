@@ -3,7 +3,6 @@ instance of its own on loopback, deleted at the end."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -22,15 +21,17 @@ class LocalServer:
     def start(cls, model: str, port: int, settings: dict[str, Any]) -> "LocalServer":
         import ray
 
-        if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-            # A Ray of its own on loopback (as the tests run it): address="local" never joins another
-            # session that happens to run on this machine.
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        from pagedserve.cluster.serve import direct_ingress
         from pagedserve.cluster.serve.app import server_url, start_server
         from pagedserve.cluster.settings import ServeArgs
 
         args = ServeArgs(model=model, host="127.0.0.1", port=port, **settings)
+        if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+            # A Ray of its own on loopback (as the tests run it): address="local" never joins another
+            # session that happens to run on this machine. Started as `pagedserve serve` starts one (its
+            # ingress serving the port directly where the settings allow), so the bench measures that path.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            direct_ingress.start_ray(args, address="local")
         print(f"starting a server for {args.model} on 127.0.0.1:{port} ({settings}) ...", file=sys.stderr,
               flush=True)
         start_server(args)

@@ -145,6 +145,9 @@ def build_parser(add_commands: Callable[[argparse._SubParsersAction], None] | No
     scale.add_argument("--autoscaling-look-back-period-s", type=float,
                        help="the window Serve averages the autoscaling metrics over (default 30)")
     scale.add_argument("--num-ingress-replicas", type=int, help="HTTP ingress replicas (default 1)")
+    scale.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
+                       help="the ingress replica listens on --port itself, without Serve's HTTP proxy (default: "
+                            "where it can: a Ray this command starts, one ingress replica)")
     scale.add_argument("--graceful-shutdown-timeout-s", type=float,
                        help="how long a removed engine replica may finish its requests (default 60)")
     scale.add_argument("--max-migrations", type=int,
@@ -253,6 +256,7 @@ APP_CHECK_PERIOD_S = 10.0
 def cmd_serve(args: ServeArgs) -> int:
     from ray import serve
 
+    from pagedserve.cluster.serve import direct_ingress
     from pagedserve.cluster.serve.app import server_url, start_server, stop_server
 
     if args.disaggregated:
@@ -280,6 +284,9 @@ def cmd_serve(args: ServeArgs) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     url = server_url(args)
+    if direct_ingress.serves_directly(args):
+        print("pagedserve: the ingress replica serves HTTP itself (Serve's direct ingress; --no-direct-ingress: "
+              "through Serve's proxy)", flush=True)
     print(f"pagedserve: ready at {url}/v1  (health {url}/health, metrics {url}/metrics). Ctrl-C to stop.",
           flush=True)
     while not stop.wait(APP_CHECK_PERIOD_S):  # (returns at once on Ctrl-C)

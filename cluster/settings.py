@@ -84,6 +84,10 @@ class ServeArgs(EngineConfig):
     downscale_delay_s: float = Field(default=60.0, ge=0)  # Serve's default (600 s) suits no LLM fleet
     autoscaling_look_back_period_s: float = Field(default=30.0, gt=0)  # the window Serve averages metrics over
     num_ingress_replicas: int = Field(default=1, ge=1)
+    # The ingress replica listens on `port` itself, without Serve's HTTP proxy (cluster/serve/direct_ingress.py):
+    # None (the default): where it can, on a Ray this process starts with one ingress replica; True: that or
+    # an error; False: always through Serve's proxy.
+    direct_ingress: bool | None = None
     graceful_shutdown_timeout_s: float = Field(default=60.0, gt=0)  # a removed engine finishes its requests
     # Fault tolerance (cluster/serve/migration.py): times one request may move to another engine after
     # the one serving it failed, before the client gets an error.
@@ -137,6 +141,12 @@ class ServeArgs(EngineConfig):
         low = self.min_replicas if self.min_replicas is not None else 1
         if self.max_replicas is not None and self.max_replicas < low:
             raise ValueError(f"max_replicas: must be >= min_replicas ({low}), got {self.max_replicas}")
+        if self.direct_ingress and self.num_ingress_replicas != 1:
+            raise ValueError(f"direct_ingress: one ingress replica listens on the port itself; with "
+                             f"num_ingress_replicas {self.num_ingress_replicas} leave it unset (Serve's proxy)")
+        if self.direct_ingress and self.address:
+            raise ValueError("direct_ingress: needs a Ray that this process starts; with --address the server is "
+                             "reached through Serve's proxy (leave it unset)")
         return self
 
     @model_validator(mode="after")

@@ -11,18 +11,19 @@ import ray
 logger = logging.getLogger(__name__)
 
 
-def ensure_ray(num_cpus: int | None = None, log_to_driver: bool = False) -> None:
-    """Reuse a running Ray session; else join `RAY_ADDRESS` when set; else start a local instance.
+def ensure_ray(num_cpus: int | None = None, log_to_driver: bool = False, address: str | None = None) -> None:
+    """Reuse a running Ray session; else join `address` or `RAY_ADDRESS` when set; else start a local instance
+    (`ray.init`'s own rule: a `ray start` cluster on this machine is joined; "local" never joins one).
 
     `num_cpus` only applies to a new local instance (a cluster reports its own resources).
     """
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS") or None
+    address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict = dict(include_dashboard=False, log_to_driver=log_to_driver, logging_level=logging.WARNING)
-    if address is None and num_cpus is not None:
+    if address in (None, "local") and num_cpus is not None:
         kwargs["num_cpus"] = num_cpus
-    logger.info("starting Ray (%s)", f"joining {address}" if address else "local instance")
+    logger.info("starting Ray (%s)", f"joining {address}" if address not in (None, "local") else "local instance")
     ray.init(address=address, **kwargs)
 
 

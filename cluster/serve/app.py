@@ -180,12 +180,15 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 
 def start_server(args: ServeArgs) -> Any:
-    """Start/join Ray, start Serve's HTTP proxy on args.host:args.port, deploy the app and wait until it
-    is ready (warning first when that address is reachable from other machines and no API key is set).
+    """Start/join Ray, make args.host:args.port serve HTTP, deploy the app and wait until it is ready
+    (warning first when that address is reachable from other machines and no API key is set). On a Ray this
+    process starts, the ingress replica listens on the port itself (`direct_ingress`; Serve's proxy then gets
+    a free port of its own, unused); elsewhere Serve's HTTP proxy listens on it.
     Returns the ingress deployment handle (`.get_engine_info.remote().result()`)."""
     import os
 
-    from pagedserve.cluster.executor.ray_utils import ensure_ray
+    from pagedserve.cluster.executor.ray_utils import free_port
+    from pagedserve.cluster.serve import direct_ingress
     from pagedserve.cluster.settings import exposure_warning
 
     warning = exposure_warning(args)
@@ -193,8 +196,9 @@ def start_server(args: ServeArgs) -> Any:
         logger.warning(warning)
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
-    ensure_ray()
-    serve.start(http_options={"host": args.host, "port": args.port})
+    direct_ingress.start_ray(args)
+    proxy_port = free_port() if direct_ingress.serves_directly(args) else args.port
+    serve.start(http_options={"host": args.host, "port": proxy_port})
     return serve.run(build_app(args.to_dict()), name=args.app_name, route_prefix="/", blocking=False)
 
 
@@ -213,8 +217,11 @@ def stop_server(app_name: str) -> None:
     way: the controller it kills fails its own pending calls, which Ray prints as task failures."""
     import ray
 
+    from pagedserve.cluster.serve import direct_ingress
+
     serve.delete(app_name)
     ray.shutdown()
+    direct_ingress.forget()
 
 
 def server_url(args: ServeArgs) -> str:

@@ -86,8 +86,10 @@ class PagedServeIngress:
     """One ingress replica: the HTTP app over the engine client `connect(args, upstream)` builds."""
 
     async def __init__(self, args: dict, connect: ClientFactory, upstream: Any) -> None:
+        from pagedserve.cluster.serve.direct_ingress import bind_reusably_in_this_replica
         from pagedserve.engine.tokenizer import load_tokenizer
 
+        bind_reusably_in_this_replica()  # (Serve starts a direct-ingress server after this constructor)
         self.args = ServeArgs.model_validate(args)
         # The tokenizer loads while the engines do (a GGUF file's: ~6 s on 2 cores, a tenth of the
         # default model's start-up, which waited for the engines first); a failed connect is raised first.
