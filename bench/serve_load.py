@@ -110,6 +110,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="the server's stream interval: one SSE event per N generated tokens (default: the "
                         "server's, auto: 1 under light load, more under heavy load); the ITL figures are the gaps "
                         "between events")
+    g.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
+                   help="the started server's ingress listens on its port itself (default: as `pagedserve serve`, "
+                        "where it can); --no-direct-ingress: through Serve's proxy")
     g.add_argument("--pd", action="store_true", help="start the prefill/decode app (two Serve deployments)")
     g.add_argument("--num-prefill-engines", type=int, default=1, help="prefill replicas with --pd (default 1)")
     g.add_argument("--num-decode-engines", type=int, default=1, help="decode replicas with --pd (default 1)")
@@ -195,7 +198,7 @@ def server_settings(ns: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"kv_cache_memory": ns.kv_cache_memory, "dtype": ns.dtype}
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_cpus_per_engine", "cpu_threads",
                  "quantization", "api_key", "data_parallel_size", "routing_policy", "kv_offload_size",
-                 "stream_interval"):
+                 "stream_interval", "direct_ingress"):
         if getattr(ns, name, None) is not None:
             settings[name] = getattr(ns, name)
     if getattr(ns, "pd", False):

@@ -272,7 +272,14 @@ def cmd_serve(args: ServeArgs) -> int:
               f"{args.pipeline_parallel_size}", flush=True)
     _print_model_description(args.model)
     print("pagedserve: starting Ray and Serve, loading the model and sizing the KV cache ...", flush=True)
-    handle = start_server(args)
+    try:
+        handle = start_server(args)
+    except ValueError as exc:  # settings only a started Ray can check (direct_ingress, placement)
+        import ray
+
+        print(f"pagedserve serve: error: {exc}", file=sys.stderr, flush=True)
+        ray.shutdown()
+        return 2
     for info in handle.get_engine_info.remote().result():
         tokens = info["num_kv_blocks"] * info["block_size"]
         print(f"pagedserve: each engine: {info['num_kv_blocks']} KV blocks x "

@@ -62,6 +62,15 @@ def test_settings_refuse_direct_ingress_where_it_cannot_be(tiny_llama):
     assert not direct_ingress.serves_directly(ServeArgs(model=str(tiny_llama)))
 
 
+def test_serve_asked_for_direct_ingress_on_a_ray_it_did_not_start_fails_naming_the_field(tiny_llama, capsys):
+    from pagedserve.cluster.cli import cmd_serve
+    from tests.local_ray import fresh_local_ray
+
+    with fresh_local_ray(num_cpus=1):  # a Ray already running in the process: Serve's proxy or nothing
+        assert cmd_serve(ServeArgs(model=str(tiny_llama), port=free_port(), direct_ingress=True)) == 2
+    assert "pagedserve serve: error: direct_ingress: Serve's direct ingress needs a Ray" in capsys.readouterr().err
+
+
 def _listener(port: int) -> tuple[int, str] | None:
     """(pid, command line) of the process listening on 127.0.0.1:`port`, or None."""
     inode = None
