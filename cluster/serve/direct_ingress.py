@@ -3,9 +3,9 @@ port itself, with no Serve HTTP proxy between the client and the FastAPI app.
 
 Through the proxy every SSE event of a stream is one more Ray stream item (ingress -> proxy) and one more
 process on the path. On a 2-core machine serving the default model, 64 requests at once, the ingress and
-the proxy took ~3.9 CPU-seconds a run through the proxy against ~1.8 with direct ingress (the proxy then
-idle), and on a machine where the engine uses every core each CPU-second taken from it costs it about two
-(see README, Performance). Serve's direct ingress is switched on by environment variables that its
+the proxy took 3.7-4.7 CPU-seconds a run through the proxy against 1.7-1.8 with direct ingress (the proxy
+then idle; served throughput +15%, means of four interleaved runs), and on a machine where the engine
+uses every core each CPU-second taken from it costs it about two (see README, Performance). Serve's direct ingress is switched on by environment variables that its
 controller and replicas read when they start, so it can only apply to a Ray this process starts: there
 the port range Serve allocates ingress ports from is pinned to the one port asked for, a released port is
 reused at once (an ingress replica that died comes back on the same port), and a stopping ingress drains
