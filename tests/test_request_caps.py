@@ -212,7 +212,7 @@ def test_serving_beyond_loopback_without_a_key_warns_at_start(tiny_llama, monkey
     class Stop(Exception):
         pass
 
-    def no_ray() -> None:
+    def no_ray(*args, **kwargs) -> None:
         raise Stop
 
     monkeypatch.setattr(ray_utils, "ensure_ray", no_ray)  # the warning comes before anything starts
