@@ -32,14 +32,37 @@ class LocalServer:
             # ingress serving the port directly where the settings allow), so the bench measures that path.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             direct_ingress.start_ray(args, address="local")
+            _ray_started_here.add(ray.get_runtime_context().gcs_address)
         print(f"starting a server for {args.model} on 127.0.0.1:{port} ({settings}) ...", file=sys.stderr,
               flush=True)
         start_server(args)
+        if direct_ingress.serves_directly(args):
+            print("the server's ingress replica serves its port itself (direct ingress, as `pagedserve serve` on a Ray "
+                  "of its own; --no-direct-ingress: through Serve's proxy)", file=sys.stderr, flush=True)
         return cls(server_url(args), args.app_name, args)
 
     def stop(self, everything: bool = True) -> None:
-        """Delete the app (its engines stop); with `everything`, shut Serve down too."""
+        """Delete the app (its engines stop); with `everything`, shut Serve down too, and a Ray `start` began
+        with it. That Ray goes as `pagedserve serve` leaves one (every app deleted, then Ray shut down):
+        `serve.shutdown()` kills Serve's controller while its own calls are pending, which Ray prints as a
+        failed task at the end of every run."""
+        import ray
+        from ray import serve
+
+        from pagedserve.cluster.serve import direct_ingress
         from pagedserve.cluster.serve.app import shutdown_server
 
-        shutdown_server(None if everything else self.app_name)
+        ours = ray.is_initialized() and ray.get_runtime_context().gcs_address in _ray_started_here
+        if not (everything and ours):
+            shutdown_server(None if everything else self.app_name)
+            return
+        for app in serve.status().applications:
+            serve.delete(app)
+        _ray_started_here.discard(ray.get_runtime_context().gcs_address)
+        ray.shutdown()
+        direct_ingress.forget()
+
+
+# The GCS addresses of the Ray instances LocalServer.start began (stop(everything=True) shuts them down).
+_ray_started_here: set[str] = set()
 

@@ -10,6 +10,7 @@ from /proc (the socket's inode in /proc/net/tcp, then the process holding it).
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -201,3 +202,23 @@ def test_no_direct_ingress_serves_through_serves_proxy(tmp_path):
         assert server.stop() == 0, server.output
     finally:
         server.kill()
+
+
+def test_bench_serve_start_server_on_a_ray_of_its_own_serves_directly_and_stops_quietly(tmp_path):
+    """The bench's server runs as `pagedserve serve` does where the bench starts Ray (direct ingress), and
+    leaves as the CLI leaves: apps deleted, then Ray shut down, nothing printed as a failed task."""
+    pagedserve = Path(sys.executable).with_name("pagedserve")
+    out = tmp_path / "serve.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [str(pagedserve), "bench", "serve", str(BUNDLED_MODEL_DIR), "--start-server", "--num-prompts", "4",
+         "--input-len", "4:8", "--output-len", "3:5", "--request-rate", "inf", "--kv-cache-memory", "64MiB",
+         "--no-roofline", "--output-json", str(out)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=READY_TIMEOUT_S, start_new_session=True)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["completed"] == 4 and run["failed"] == 0
+    assert "the server's ingress replica serves its port itself" in output, output
+    assert not re.search(r"Traceback|failed|ray\.kill", output), output
