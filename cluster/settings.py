@@ -144,7 +144,7 @@ class ServeArgs(EngineConfig):
         if self.direct_ingress and self.num_ingress_replicas != 1:
             raise ValueError(f"direct_ingress: one ingress replica listens on the port itself; with "
                              f"num_ingress_replicas {self.num_ingress_replicas} leave it unset (Serve's proxy)")
-        if self.direct_ingress and self.address:
+        if self.direct_ingress and self.address not in (None, "local"):  # "local": a new Ray of its own
             raise ValueError("direct_ingress: needs a Ray that this process starts; with --address the server is "
                              "reached through Serve's proxy (leave it unset)")
         return self

@@ -54,6 +54,7 @@ def test_settings_refuse_direct_ingress_where_it_cannot_be(tiny_llama):
         ServeArgs(model=str(tiny_llama), direct_ingress=True, num_ingress_replicas=2)
     with pytest.raises(ValueError, match="direct_ingress"):
         ServeArgs(model=str(tiny_llama), direct_ingress=True, address="10.0.0.1:6379")
+    assert ServeArgs(model=str(tiny_llama), direct_ingress=True, address="local").direct_ingress  # a Ray of its own
     assert direct_ingress.wanted(ServeArgs(model=str(tiny_llama)))
     assert not direct_ingress.wanted(ServeArgs(model=str(tiny_llama), num_ingress_replicas=2))
     assert not direct_ingress.wanted(ServeArgs(model=str(tiny_llama), direct_ingress=False))
