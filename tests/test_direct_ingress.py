@@ -64,6 +64,32 @@ def test_settings_refuse_direct_ingress_where_it_cannot_be(tiny_llama):
     assert not direct_ingress.serves_directly(ServeArgs(model=str(tiny_llama)))
 
 
+def test_a_ray_started_with_direct_ingress_serves_its_port_directly_and_others_through_the_proxy(tiny_llama,
+                                                                                                  monkeypatch):
+    import types
+
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address="127.0.0.1:6379"))
+    monkeypatch.setattr(direct_ingress, "_started", direct_ingress._DirectRay("127.0.0.1:6379", 8123))
+    model = str(tiny_llama)
+    assert direct_ingress.serves_directly(ServeArgs(model=model, port=8123))
+    assert direct_ingress.serves_directly(ServeArgs(model=model, port=8123, direct_ingress=True))
+    # Another port (a server started again after serve.shutdown()): Serve's proxy serves it.
+    assert not direct_ingress.serves_directly(ServeArgs(model=model, port=8124))
+    # The proxy would take the port the ingress binds, or direct ingress is asked for on another port.
+    with pytest.raises(ValueError, match="^direct_ingress: .* port 8123"):
+        direct_ingress.serves_directly(ServeArgs(model=model, port=8123, direct_ingress=False))
+    with pytest.raises(ValueError, match="^direct_ingress: "):
+        direct_ingress.serves_directly(ServeArgs(model=model, port=8124, direct_ingress=True))
+    with pytest.raises(ValueError, match="^num_ingress_replicas: "):  # Serve would have no port for the second
+        direct_ingress.serves_directly(ServeArgs(model=model, port=8123, num_ingress_replicas=2))
+    # That Ray shut down and another running: nothing of it is assumed.
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address="127.0.0.1:7000"))
+    assert not direct_ingress.serves_directly(ServeArgs(model=model, port=8123))
+
+
 def test_serve_asked_for_direct_ingress_on_a_ray_it_did_not_start_fails_naming_the_field(tiny_llama, capsys):
     from pagedserve.cluster.cli import cmd_serve
     from tests.local_ray import fresh_local_ray

@@ -108,12 +108,21 @@ def serves_directly(args: Any) -> bool:
     ours = _started is not None and ray.is_initialized() and ray.get_runtime_context().gcs_address == _started.gcs_address
     if ours:
         assert _started is not None
-        if args.direct_ingress is False or args.num_ingress_replicas != 1 or args.port != _started.port:
-            raise ValueError(f"port: this process started Ray with Serve's direct ingress on port {_started.port} "
-                             f"(one ingress replica listening there itself); port {args.port}, "
-                             f"num_ingress_replicas {args.num_ingress_replicas} and direct_ingress "
-                             f"{args.direct_ingress} need a Ray of their own")
-        return True
+        port = _started.port
+        if args.num_ingress_replicas != 1:  # Serve would give the second replica no port: it could never start
+            raise ValueError(f"num_ingress_replicas: this process started Ray with Serve's direct ingress on port "
+                             f"{port} (one ingress replica listening there itself); {args.num_ingress_replicas} "
+                             f"ingress replicas need a Ray of their own")
+        if args.port == port and args.direct_ingress is not False:
+            return True
+        if args.port == port or args.direct_ingress:  # the proxy and the ingress would both bind the port
+            raise ValueError(f"direct_ingress: this process started Ray with Serve's direct ingress on port {port}; "
+                             f"port {args.port} with direct_ingress {args.direct_ingress} needs a Ray of its own")
+        # Another port on this Ray (after serve.shutdown()): Serve's proxy serves it; the ingress replica
+        # still listens on the Ray's own port too.
+        logger.warning("port %d: served through Serve's proxy; this process's Ray gives the ingress replica port %d",
+                       args.port, port)
+        return False
     if args.direct_ingress:
         raise ValueError("direct_ingress: Serve's direct ingress needs a Ray that this process starts (no --address, "
                          "no RAY_ADDRESS, no `ray start` cluster on this machine, no Ray already running in it); "
