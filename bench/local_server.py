@@ -42,8 +42,9 @@ class LocalServer:
         return cls(server_url(args), args.app_name, args)
 
     def stop(self, everything: bool = True) -> None:
-        """Delete the app (its engines stop); with `everything`, shut Serve down too, and a Ray `start` began
-        with it. That Ray goes as `pagedserve serve` leaves one (every app deleted, then Ray shut down):
+        """Delete the app (its engines stop); with `everything`, shut Serve down too, and with it the Ray that
+        `start` began, if it began one. That Ray goes as `pagedserve serve` leaves one (every app deleted, then
+        Ray shut down):
         `serve.shutdown()` kills Serve's controller while its own calls are pending, which Ray prints as a
         failed task at the end of every run."""
         import ray
