@@ -32,7 +32,6 @@ class LocalServer:
             # ingress serving the port directly where the settings allow), so the bench measures that path.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             direct_ingress.start_ray(args, address="local")
-            _ray_started_here.add(ray.get_runtime_context().gcs_address)
         print(f"starting a server for {args.model} on 127.0.0.1:{port} ({settings}) ...", file=sys.stderr,
               flush=True)
         start_server(args)
@@ -53,17 +52,10 @@ class LocalServer:
         from pagedserve.cluster.serve import direct_ingress
         from pagedserve.cluster.serve.app import shutdown_server
 
-        ours = ray.is_initialized() and ray.get_runtime_context().gcs_address in _ray_started_here
-        if not (everything and ours):
+        if not (everything and direct_ingress.started_here()):
             shutdown_server(None if everything else self.app_name)
             return
         for app in serve.status().applications:
             serve.delete(app)
-        _ray_started_here.discard(ray.get_runtime_context().gcs_address)
         ray.shutdown()
         direct_ingress.forget()
-
-
-# The GCS addresses of the Ray instances LocalServer.start began (stop(everything=True) shuts them down).
-_ray_started_here: set[str] = set()
-

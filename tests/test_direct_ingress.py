@@ -72,7 +72,7 @@ def test_a_ray_started_with_direct_ingress_serves_its_port_directly_and_others_t
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address="127.0.0.1:6379"))
-    monkeypatch.setattr(direct_ingress, "_started", direct_ingress._DirectRay("127.0.0.1:6379", 8123))
+    monkeypatch.setattr(direct_ingress, "_started", direct_ingress._StartedRay("127.0.0.1:6379", 8123))
     model = str(tiny_llama)
     assert direct_ingress.serves_directly(ServeArgs(model=model, port=8123))
     assert direct_ingress.serves_directly(ServeArgs(model=model, port=8123, direct_ingress=True))

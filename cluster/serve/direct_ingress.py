@@ -29,14 +29,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _DirectRay:
-    """The Ray this process started with direct ingress: its GCS address and the ingress port it serves."""
+class _StartedRay:
+    """The Ray instance `start_ray` began in this process: its GCS address, and the port its Serve gives
+    the ingress replica (None: started without direct ingress)."""
 
     gcs_address: str
-    port: int
+    port: int | None
 
 
-_started: _DirectRay | None = None
+_started: _StartedRay | None = None
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:
@@ -86,8 +87,22 @@ def start_ray(args: Any, address: str | None = None) -> None:
     env = direct_ingress_env(args.port) if wanted(args) else {}
     with environment(env):
         ensure_ray(address=address)
-    if env and _started_head():
-        _started = _DirectRay(ray.get_runtime_context().gcs_address, args.port)
+    if _started_head():
+        _started = _StartedRay(ray.get_runtime_context().gcs_address, args.port if env else None)
+
+
+def _ours() -> _StartedRay | None:
+    """What `start_ray` began, while that Ray is the one this process runs."""
+    import ray
+
+    if _started is None or not ray.is_initialized() or ray.get_runtime_context().gcs_address != _started.gcs_address:
+        return None
+    return _started
+
+
+def started_here() -> bool:
+    """Whether the Ray this process runs is one `start_ray` began (its owner shuts it down)."""
+    return _ours() is not None
 
 
 def _started_head() -> bool:
@@ -103,12 +118,9 @@ def serves_directly(args: Any) -> bool:
     this process runs is the one it started with direct ingress. Raises ValueError where that Ray cannot
     serve these settings (another port, several ingress replicas) or where direct ingress was asked for
     explicitly and cannot be had."""
-    import ray
-
-    ours = _started is not None and ray.is_initialized() and ray.get_runtime_context().gcs_address == _started.gcs_address
-    if ours:
-        assert _started is not None
-        port = _started.port
+    ours = _ours()
+    if ours is not None and ours.port is not None:
+        port = ours.port
         if args.num_ingress_replicas != 1:  # Serve would give the second replica no port: it could never start
             raise ValueError(f"num_ingress_replicas: this process started Ray with Serve's direct ingress on port "
                              f"{port} (one ingress replica listening there itself); {args.num_ingress_replicas} "
