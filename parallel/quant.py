@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 class QuantConfig(Protocol):
-    def qtype(self, *names: str) -> str | None:
-        """The quant type a layer loading the checkpoint weights ``names`` keeps; None: float weights."""
+    def qtype(self, *names: str, in_features: int | None = None) -> str | None:
+        """The quant type a layer loading the checkpoint weights ``names`` (``in_features`` wide) keeps;
+        None: float weights."""
         ...
 
 
@@ -37,7 +38,7 @@ class GGUFQuantConfig:
 
     weight_types: Mapping[str, str] = field(default_factory=dict)
 
-    def qtype(self, *names: str) -> str | None:
+    def qtype(self, *names: str, in_features: int | None = None) -> str | None:
         """The quant type the weights ``names`` (the parts of one, possibly fused, layer) share; None keeps
         the layer in floats: a part is not quantized, or the parts differ (a fused matmul has one format)."""
         types = {self.weight_types.get(name) for name in names}
@@ -51,17 +52,31 @@ class GGUFQuantConfig:
 @dataclass(frozen=True)
 class RTNQuantConfig:
     """Weight-only quantization of a float checkpoint at load: every linear layer's weight becomes
-    ``qtype`` blocks (Q8_0: int8, Q4_1: int4 with a min per group); the embedding and LM head stay float."""
+    ``qtype`` blocks (Q8_0: int8, Q4_1: int4 with a min per group); the embedding and LM head stay float.
+    A layer whose input width is not a whole number of groups stays float too, as llama.cpp's quantizer
+    falls back for such tensors (one warning per width): the checkpoint's shape is not the user's to change."""
 
     weight_type: str
+    _warned_widths: set[int] = field(default_factory=set, compare=False, repr=False)
 
-    def qtype(self, *names: str) -> str | None:
-        linear = all(name.endswith("_proj.weight") for name in names)
-        return self.weight_type if linear else None
+    def qtype(self, *names: str, in_features: int | None = None) -> str | None:
+        if not all(name.endswith("_proj.weight") for name in names):
+            return None
+        group = block_elements(self.weight_type)
+        if in_features is not None and in_features % group:
+            if in_features not in self._warned_widths:
+                self._warned_widths.add(in_features)
+                logger.warning("pagedserve: linear layers %s wide are not a whole number of %d-weight groups; "
+                               "they stay in floats, not %s (first: %s)", in_features, group, self.weight_type,
+                               ", ".join(names))
+            return None
+        return self.weight_type
 
 
-def qtype_of(quant_config: QuantConfig | None, *names: str) -> str | None:
-    return None if quant_config is None else quant_config.qtype(*names)
+def qtype_of(quant_config: QuantConfig | None, *names: str, in_features: int | None = None) -> str | None:
+    """The quant type `quant_config` gives the layer of checkpoint weights ``names`` whose input is
+    ``in_features`` wide (None when unknown); None: float weights."""
+    return None if quant_config is None else quant_config.qtype(*names, in_features=in_features)
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,12 @@ def test_quantizer_writes_llama_cpp_bytes(qtype):
 
 
 def round_trip_hf(hf_model, qtype: str):
-    """HF's model with every linear layer's weight quantized and dequantized as ours is."""
+    """HF's model with every linear layer's weight quantized and dequantized as ours is (those whose input
+    is a whole number of 32-weight groups: the others stay float in ours too)."""
     with torch.no_grad():
         for name, module in hf_model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.split(".")[-1].endswith("_proj"):
+            if (isinstance(module, torch.nn.Linear) and name.split(".")[-1].endswith("_proj")
+                    and module.in_features % 32 == 0):
                 module.weight.copy_(dequantize_gguf(quantize_gguf(module.weight, qtype), qtype))
     return hf_model
 
@@ -62,6 +64,40 @@ def test_rtn_model_matches_hf_on_round_tripped_weights(tmp_path, quantization, c
         assert linear.qtype == qtype and linear.weight.dtype == torch.uint8
     assert model.model.embed_tokens.qtype is None and model.lm_head.qtype is None  # they stay float
     assert_parity(run_paged(model), hf_logits(round_trip_hf(hf_model, qtype), hf_config.vocab_size))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_layers_not_a_whole_number_of_groups_stay_float(tmp_path, quantization, caplog):
+    """A checkpoint whose MLP is 72 wide (not a multiple of 32): down_proj stays float, with one warning,
+    the rest is quantized, and the logits match HF with exactly those layers round-tripped."""
+    hf_config, hf_model = build_checkpoint(transformers.LlamaConfig, tmp_path, intermediate_size=72)
+    qtype = RTN_WEIGHT_TYPES[quantization]
+    with caplog.at_level("WARNING"):
+        model = load_model(str(tmp_path), hf_config, torch.float32, ParallelContext.single(), quantization=quantization)
+    warnings = [r.getMessage() for r in caplog.records if "whole number" in r.getMessage()]
+    assert len(warnings) == 1 and "72 wide" in warnings[0] and "down_proj" in warnings[0]
+    for layer in model.model.layers:
+        assert layer.mlp.down_proj.qtype is None and layer.mlp.down_proj.weight.dtype == torch.float32
+        assert layer.mlp.gate_up_proj.qtype == qtype and layer.self_attn.qkv_proj.qtype == qtype
+        assert layer.self_attn.o_proj.qtype == qtype
+    assert_parity(run_paged(model), hf_logits(round_trip_hf(hf_model, qtype), hf_config.vocab_size))
+
+
+def test_model_too_narrow_for_any_group_runs_in_floats(tiny_model_factory):
+    """hidden 40, MLP 72: no linear layer can be quantized; the engine runs it as the float model, token for token."""
+    path = tiny_model_factory("llama", hidden_size=40, num_attention_heads=5, num_key_value_heads=5, head_dim=8,
+                              intermediate_size=72)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, [4, 19])]
+    outputs = {}
+    for quantization in ("int4", "none"):
+        llm = LLM(model=str(path), dtype="float32", quantization=quantization, block_size=4, kv_cache_memory="16MiB")
+        try:
+            outputs[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    assert outputs["int4"] == outputs["none"]
 
 
 def test_int4_engine_greedy_parity(tiny_model_factory):

@@ -31,10 +31,12 @@ class GatedMLP(nn.Module):
             raise ValueError(f"hidden_act: only 'silu' is supported, got {hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], parallel, dtype, bias=bias,
-            qtype=qtype_of(quant_config, f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
+            qtype=qtype_of(quant_config, f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight",
+                           in_features=hidden_size),
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, dtype, bias=bias,
-                                           qtype=qtype_of(quant_config, f"{prefix}.down_proj.weight"))
+                                           qtype=qtype_of(quant_config, f"{prefix}.down_proj.weight",
+                                                          in_features=intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # forward called directly: see engine/models/llama.py

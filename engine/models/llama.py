@@ -89,14 +89,14 @@ class DecoderAttention(nn.Module):
     ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}.self_attn"
-        qkv_qtype = qtype_of(quant_config, *(f"{prefix}.{p}_proj.weight" for p in "qkv"))
+        qkv_qtype = qtype_of(quant_config, *(f"{prefix}.{p}_proj.weight" for p in "qkv"), in_features=spec.hidden_size)
         self.qkv_proj = QKVParallelLinear(
             spec.hidden_size, spec.head_size, spec.num_heads, spec.num_kv_heads, parallel, dtype, bias=spec.qkv_bias,
             qtype=qkv_qtype,
         )
         self.o_proj = RowParallelLinear(
             spec.num_heads * spec.head_size, spec.hidden_size, parallel, dtype, bias=spec.o_bias,
-            qtype=qtype_of(quant_config, f"{prefix}.o_proj.weight"),
+            qtype=qtype_of(quant_config, f"{prefix}.o_proj.weight", in_features=spec.num_heads * spec.head_size),
         )
         self.head_size = spec.head_size
         self.q_norm = RMSNorm(spec.head_size, spec.rms_norm_eps, dtype) if spec.qk_norm else None
