@@ -54,7 +54,13 @@ def cpu_capabilities() -> dict[str, object]:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX-BF16) rather than emulating it."""
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX-BF16) rather than emulating it, and
+    torch runs its AVX-512 kernels here (`torch.backends.cpu.get_cpu_capability()`): where torch dispatches
+    to AVX2 or below (an older CPU, or `ATEN_CPU_CAPABILITY` held lower) its bf16 ops are emulated."""
+    import torch
+
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
     caps = cpu_capabilities()
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 

@@ -62,15 +62,19 @@ def test_resolve_dtype_on_cpu_keeps_the_checkpoint_dtype(monkeypatch):
     assert resolve_dtype("float32", SimpleNamespace(dtype="float32"), "cuda") == torch.float32
 
 
-@pytest.mark.parametrize("caps,native", [
-    ({"avx2": True}, False),  # AVX2 only: bf16 is emulated
-    ({"avx512_f": True, "avx512_bf16": False, "amx_bf16": False}, False),
-    ({"avx512_f": True, "avx512_bf16": True}, True),
-    ({"amx_tile": True, "amx_bf16": True}, True),
+@pytest.mark.parametrize("torch_capability,caps,native", [
+    ("AVX2", {"avx2": True}, False),  # AVX2 only: bf16 is emulated
+    ("AVX512", {"avx512_f": True, "avx512_bf16": False, "amx_bf16": False}, False),
+    ("AVX512", {"avx512_f": True, "avx512_bf16": True}, True),
+    ("AVX512", {"amx_tile": True, "amx_bf16": True}, True),
+    ("AVX2", {"avx512_f": True, "avx512_bf16": True, "amx_bf16": True}, False),  # torch held to AVX2 kernels
+    ("DEFAULT", {"amx_bf16": True}, False),
 ])
-def test_cpu_auto_dtype_follows_native_bf16(monkeypatch, caps, native):
+def test_cpu_auto_dtype_follows_native_bf16(monkeypatch, torch_capability, caps, native):
     """fp32 checkpoints (GGUF files, quantized or not, count as fp32) run in bf16 only where the CPU
-    multiplies bf16 natively; bf16/fp16 checkpoints and explicit dtypes are unchanged."""
+    multiplies bf16 natively and torch runs its AVX-512 kernels; bf16/fp16 checkpoints and explicit dtypes
+    are unchanged."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: torch_capability)
     monkeypatch.setattr(device_limits, "cpu_capabilities", lambda: caps)
     assert device_limits.cpu_has_native_bf16() is native
     fp32 = torch.bfloat16 if native else torch.float32
@@ -83,6 +87,7 @@ def test_cpu_auto_dtype_follows_native_bf16(monkeypatch, caps, native):
 
 
 def test_cpu_dtype_choice_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(device_limits, "cpu_capabilities", lambda: {"amx_bf16": True})
     device_limits._log_choice.cache_clear()
     with caplog.at_level("INFO", logger=device_limits.__name__):
