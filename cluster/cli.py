@@ -301,7 +301,8 @@ def cmd_serve(args: ServeArgs) -> int:
             print("pagedserve: the application is gone; exiting", file=sys.stderr)
             return 1
     print("pagedserve: shutting down ...", flush=True)
-    stop_server(args.app_name)
+    # Replicas drain for up to graceful_shutdown_timeout_s; past that (and a margin) Serve is not answering.
+    stop_server(args.app_name, timeout_s=args.graceful_shutdown_timeout_s + 30.0)
     return 0
 
 

@@ -165,8 +165,8 @@ class _Server:
             assert len(ids) == 1 and (ids[0] == request_id or not request_id), ids  # honoured, returned once
             return resp.read().decode()
 
-    def stop(self) -> int:
-        os.killpg(self.proc.pid, signal.SIGINT)
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        os.killpg(self.proc.pid, sig)
         returncode = self.proc.wait(timeout=STOP_TIMEOUT_S)
         self.reader.join(timeout=30)
         return returncode
@@ -214,6 +214,38 @@ def test_serve_listens_on_its_port_from_the_ingress_replica_which_comes_back_aft
         assert server.stop() == 0, server.output
         assert "pagedserve: shutting down" in server.output
         assert _listener(server.port) is None
+    finally:
+        server.kill()
+
+
+def _session_members(sid: int) -> list[str]:
+    """Command lines of the live processes of session `sid`."""
+    members = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            if proc.name.isdigit() and int(stat[stat.rindex(")") + 2:].split()[3]) == sid and " Z " not in stat[-60:]:
+                members.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError):
+            continue
+    return members
+
+
+def test_sigterm_to_the_whole_process_group_stops_the_server_and_its_ray(tmp_path):
+    """`timeout` and systemd's control-group stop signal every process of the group, the raylet the server
+    started included: Serve's delete would then wait forever. The server exits 0 in bounded time and
+    leaves no process of its Ray behind."""
+    server = _Server(tmp_path)
+    try:
+        assert server.ready.wait(READY_TIMEOUT_S), server.output
+        assert json.loads(server.complete())["usage"]["completion_tokens"] == 4
+        assert server.stop(signal.SIGTERM) == 0, server.output
+        assert "pagedserve: shutting down" in server.output
+        assert _listener(server.port) is None
+        deadline = time.monotonic() + 30
+        while _session_members(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert _session_members(server.proc.pid) == [], server.output
     finally:
         server.kill()
 

@@ -19,6 +19,8 @@ CLI's quiet stop.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 from ray import serve
@@ -210,18 +212,59 @@ def shutdown_server(app_name: str | None = None) -> None:
         serve.delete(app_name)
 
 
-def stop_server(app_name: str) -> None:
+def stop_server(app_name: str, timeout_s: float = 90.0) -> bool:
     """Stop what `start_server` started, quietly: delete the app (its engine replicas finish and stop
     their engines), then leave Ray. A local instance this process started stops with Serve's actors in
     it; a joined cluster keeps running (its Serve too, without this app). `serve.shutdown()` is not the
-    way: the controller it kills fails its own pending calls, which Ray prints as task failures."""
+    way: the controller it kills fails its own pending calls, which Ray prints as task failures.
+
+    Bounded: a signal sent to the whole process group (`timeout`, systemd's control-group stop) also
+    stops the raylet this process started, and Serve's delete then waits forever. The delete runs on a
+    thread; after `timeout_s`, or at once when a Ray process this driver started has died, Ray is left
+    all the same. Returns whether the app was deleted."""
     import ray
 
     from pagedserve.cluster.serve import direct_ingress
 
-    serve.delete(app_name)
+    deleted = threading.Event()
+    failure: list[BaseException] = []
+
+    def delete() -> None:
+        try:
+            serve.delete(app_name)
+        except Exception as exc:  # Ray or Serve already gone: nothing left to delete through them
+            failure.append(exc)
+        finally:
+            deleted.set()
+
+    threading.Thread(target=delete, name="pagedserve-stop", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not deleted.wait(STOP_POLL_S):
+        if _started_ray_process_died() or time.monotonic() > deadline:
+            break
+    if not deleted.is_set() or failure:
+        why = f"{failure[0]!r}" if failure else (
+            "a Ray process it started has exited" if _started_ray_process_died() else f"not done in {timeout_s:g} s")
+        logger.warning("pagedserve: Serve did not delete the app %r (%s); stopping Ray all the same", app_name, why)
     ray.shutdown()
     direct_ingress.forget()
+    return deleted.is_set() and not failure
+
+
+STOP_POLL_S = 0.5
+
+
+def _started_ray_process_died() -> bool:
+    """Whether the raylet or GCS of the Ray instance this driver started has exited (Serve's calls then
+    never return)."""
+    import ray._private.worker as ray_worker
+    from ray._private import ray_constants
+
+    node = getattr(ray_worker, "_global_node", None)
+    if node is None or not node.is_head():
+        return False
+    vital = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
+    return any(kind in vital for kind, _ in node.dead_processes())
 
 
 def server_url(args: ServeArgs) -> str:
