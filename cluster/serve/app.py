@@ -212,6 +212,9 @@ def shutdown_server(app_name: str | None = None) -> None:
         serve.delete(app_name)
 
 
+STOP_POLL_S = 0.5  # how often a stop checks that Ray's raylet and GCS still run
+
+
 def stop_server(app_name: str, timeout_s: float = 90.0) -> bool:
     """Stop what `start_server` started, quietly: delete the app (its engine replicas finish and stop
     their engines), then leave Ray. A local instance this process started stops with Serve's actors in
@@ -250,8 +253,6 @@ def stop_server(app_name: str, timeout_s: float = 90.0) -> bool:
     direct_ingress.forget()
     return deleted.is_set() and not failure
 
-
-STOP_POLL_S = 0.5
 
 
 def _started_ray_process_died() -> bool:
