@@ -223,8 +223,8 @@ def _session_members(sid: int) -> list[str]:
     members = []
     for proc in Path("/proc").iterdir():
         try:
-            stat = (proc / "stat").read_text()
-            if proc.name.isdigit() and int(stat[stat.rindex(")") + 2:].split()[3]) == sid and " Z " not in stat[-60:]:
+            fields = (proc / "stat").read_text().rpartition(")")[2].split()  # state, ppid, pgrp, session, ...
+            if proc.name.isdigit() and int(fields[3]) == sid and fields[0] != "Z":  # a zombie is already gone
                 members.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
         except (OSError, ValueError):
             continue
