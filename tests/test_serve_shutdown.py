@@ -57,3 +57,85 @@ def test_ctrl_c_stops_serve_with_status_0_and_nothing_alarming(tmp_path):
     assert returncode == 0, output
     assert "pagedserve: shutting down" in output
     assert not re.search(r"Traceback|failed|ray\.kill", output), output
+
+
+def test_stop_server_deletes_every_app_then_leaves_ray(monkeypatch):
+    """`stop_server(None)` (the bench's own server): every app of this Serve deleted, then Ray left."""
+    import ray
+    from ray import serve
+
+    from pagedserve.cluster.serve import app as app_module
+
+    deleted: list[str] = []
+    left: list[bool] = []
+    monkeypatch.setattr(serve, "status", lambda: type("S", (), {"applications": {"a": None, "b": None}})())
+    monkeypatch.setattr(serve, "delete", deleted.append)
+    monkeypatch.setattr(ray, "shutdown", lambda: left.append(True))
+    assert app_module.stop_server(None, timeout_s=30.0) is True
+    assert deleted == ["a", "b"] and left == [True]
+
+
+def test_stop_server_gives_up_on_a_delete_that_never_returns(monkeypatch, caplog):
+    """A Serve that never answers (its raylet gone with the process group) does not hold the stop: after
+    `timeout_s` Ray is left all the same, with a warning that says so."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from pagedserve.cluster.serve import app as app_module
+
+    never = threading.Event()
+    left: list[bool] = []
+    monkeypatch.setattr(serve, "status", lambda: never.wait() and None)
+    monkeypatch.setattr(ray, "shutdown", lambda: left.append(True))
+    monkeypatch.setattr(app_module, "_started_ray_process_died", lambda: False)
+    start = time.monotonic()
+    try:
+        assert app_module.stop_server(None, timeout_s=1.0) is False
+    finally:
+        never.set()  # the abandoned delete thread ends
+    assert time.monotonic() - start < 10.0  # bounded by timeout_s (plus a poll period), not by Serve
+    assert left == [True]
+    assert "did not delete its apps" in caplog.text and "not done in 1 s" in caplog.text
+
+
+def test_bench_server_turns_sigterm_into_ctrl_c_unless_the_program_took_it(monkeypatch):
+    """`bench serve --start-server` stops its server on SIGTERM (`timeout`, a CI cancel) as on Ctrl-C: Ray's
+    driver handlers (Python's, then its core worker's, which aborts) give way to KeyboardInterrupt, so the
+    bench's `finally` runs; a handler of the embedding program's own is left alone."""
+    import signal
+    import time
+
+    from pagedserve.bench import local_server
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def ray_handler(signum, frame):  # stands for ray._private.worker's
+        raise SystemExit(signum)
+
+    ray_handler.__module__ = "ray._private.worker"
+    try:
+        signal.signal(signal.SIGTERM, ray_handler)
+        local_server._stop_on_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
+        events = []
+        try:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(100):  # the handler runs in the main thread at its next check
+                    time.sleep(0.01)
+            finally:
+                events.append("stopped")  # the bench's `finally: server.stop()`
+        except KeyboardInterrupt:
+            events.append("interrupted")
+        assert events == ["stopped", "interrupted"]
+
+        def own(signum, frame):
+            pass
+
+        signal.signal(signal.SIGTERM, own)
+        local_server._stop_on_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -215,16 +215,17 @@ def shutdown_server(app_name: str | None = None) -> None:
 STOP_POLL_S = 0.5  # how often a stop checks that Ray's raylet and GCS still run
 
 
-def stop_server(app_name: str, timeout_s: float = 90.0) -> bool:
+def stop_server(app_name: str | None, timeout_s: float = 90.0) -> bool:
     """Stop what `start_server` started, quietly: delete the app (its engine replicas finish and stop
-    their engines), then leave Ray. A local instance this process started stops with Serve's actors in
+    their engines; `app_name` None: every app of this Serve, as a bench that started its own Ray ends),
+    then leave Ray. A local instance this process started stops with Serve's actors in
     it; a joined cluster keeps running (its Serve too, without this app). `serve.shutdown()` is not the
     way: the controller it kills fails its own pending calls, which Ray prints as task failures.
 
     Bounded: a signal sent to the whole process group (`timeout`, systemd's control-group stop) also
-    stops the raylet this process started, and Serve's delete then waits forever. The delete runs on a
-    thread; after `timeout_s`, or at once when a Ray process this driver started has died, Ray is left
-    all the same. Returns whether the app was deleted."""
+    stops the raylet this process started, and Serve's calls then wait forever. They run on a thread;
+    after `timeout_s`, or at once when a Ray process this driver started has died, Ray is left all the
+    same. Returns whether the apps were deleted."""
     import ray
 
     from pagedserve.cluster.serve import direct_ingress
@@ -234,7 +235,8 @@ def stop_server(app_name: str, timeout_s: float = 90.0) -> bool:
 
     def delete() -> None:
         try:
-            serve.delete(app_name)
+            for name in [app_name] if app_name is not None else list(serve.status().applications):
+                serve.delete(name)
         except Exception as exc:  # Ray or Serve already gone: nothing left to delete through them
             failure.append(exc)
         finally:
@@ -248,7 +250,8 @@ def stop_server(app_name: str, timeout_s: float = 90.0) -> bool:
     if not deleted.is_set() or failure:
         why = f"{failure[0]!r}" if failure else (
             "a Ray process it started has exited" if _started_ray_process_died() else f"not done in {timeout_s:g} s")
-        logger.warning("pagedserve: Serve did not delete the app %r (%s); stopping Ray all the same", app_name, why)
+        what = f"the app {app_name!r}" if app_name is not None else "its apps"
+        logger.warning("pagedserve: Serve did not delete %s (%s); stopping Ray all the same", what, why)
     ray.shutdown()
     direct_ingress.forget()
     return deleted.is_set() and not failure
