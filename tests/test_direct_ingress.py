@@ -182,6 +182,9 @@ def test_serve_listens_on_its_port_from_the_ingress_replica_which_comes_back_aft
     try:
         assert server.ready.wait(READY_TIMEOUT_S), server.output
         assert "the ingress replica serves HTTP itself" in server.output
+        # Serve's own "is ready at" line would name its proxy's spare port; the line printed names the served one.
+        ready = [ln for ln in server.output.splitlines() if " is ready at http" in ln]
+        assert ready and all(f"127.0.0.1:{server.port}/" in ln for ln in ready), server.output
         listener = _listener(server.port)
         assert listener is not None, server.output
         pid, command = listener

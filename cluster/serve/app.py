@@ -185,7 +185,8 @@ def start_server(args: ServeArgs) -> Any:
     """Start/join Ray, make args.host:args.port serve HTTP, deploy the app and wait until it is ready
     (warning first when that address is reachable from other machines and no API key is set). On a Ray this
     process starts, the ingress replica listens on the port itself (`direct_ingress`; Serve's proxy then gets
-    a free port of its own, unused); elsewhere Serve's HTTP proxy listens on it.
+    a free port of its own, unused, and the "is ready at" line names args.port, not that one); elsewhere
+    Serve's HTTP proxy listens on it.
     Returns the ingress deployment handle (`.get_engine_info.remote().result()`)."""
     import os
 
@@ -199,9 +200,29 @@ def start_server(args: ServeArgs) -> Any:
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
     direct_ingress.start_ray(args)
-    proxy_port = free_port() if direct_ingress.serves_directly(args) else args.port
-    serve.start(http_options={"host": args.host, "port": proxy_port})
-    return serve.run(build_app(args.to_dict()), name=args.app_name, route_prefix="/", blocking=False)
+    direct = direct_ingress.serves_directly(args)
+    serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
+    if not direct:
+        return serve.run(build_app(args.to_dict()), name=args.app_name, route_prefix="/", blocking=False)
+    serve_logger = logging.getLogger("ray.serve")
+    hide = _ProxyReadyLine()
+    serve_logger.addFilter(hide)
+    try:
+        handle = serve.run(build_app(args.to_dict()), name=args.app_name, route_prefix="/", blocking=False)
+    finally:
+        serve_logger.removeFilter(hide)
+    logger.info("Application %r is ready at %s/ (its ingress replica serves the port itself)", args.app_name,
+                server_url(args))
+    return handle
+
+
+class _ProxyReadyLine(logging.Filter):
+    """Drops Serve's "Application 'x' is ready at <URL>." where that URL is its proxy's, which with direct
+    ingress is a spare port, not where the app is served (start_server logs the right one instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Application '") and " is ready at " in message)
 
 
 def shutdown_server(app_name: str | None = None) -> None:
