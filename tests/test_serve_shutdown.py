@@ -100,7 +100,7 @@ def test_stop_server_gives_up_on_a_delete_that_never_returns(monkeypatch, caplog
     assert "did not delete its apps" in caplog.text and "not done in 1 s" in caplog.text
 
 
-def test_bench_server_turns_sigterm_into_ctrl_c_unless_the_program_took_it(monkeypatch):
+def test_bench_server_turns_sigterm_into_ctrl_c_unless_the_program_took_it():
     """`bench serve --start-server` stops its server on SIGTERM (`timeout`, a CI cancel) as on Ctrl-C: Ray's
     driver handlers (Python's, then its core worker's, which aborts) give way to KeyboardInterrupt, so the
     bench's `finally` runs; a handler of the embedding program's own is left alone."""

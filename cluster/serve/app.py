@@ -185,8 +185,8 @@ def start_server(args: ServeArgs) -> Any:
     """Start/join Ray, make args.host:args.port serve HTTP, deploy the app and wait until it is ready
     (warning first when that address is reachable from other machines and no API key is set). On a Ray this
     process starts, the ingress replica listens on the port itself (`direct_ingress`; Serve's proxy then gets
-    a free port of its own, unused, and the "is ready at" line names args.port, not that one); elsewhere
-    Serve's HTTP proxy listens on it.
+    a free port of its own, unused); elsewhere Serve's HTTP proxy listens on it. The "is ready at" line it
+    logs names args.port either way.
     Returns the ingress deployment handle (`.get_engine_info.remote().result()`)."""
     import os
 
@@ -202,23 +202,20 @@ def start_server(args: ServeArgs) -> Any:
     direct_ingress.start_ray(args)
     direct = direct_ingress.serves_directly(args)
     serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
-    if not direct:
-        return serve.run(build_app(args.to_dict()), name=args.app_name, route_prefix="/", blocking=False)
     serve_logger = logging.getLogger("ray.serve")
-    hide = _ProxyReadyLine()
-    serve_logger.addFilter(hide)
+    hide_serve_ready = _ServeReadyLine()
+    serve_logger.addFilter(hide_serve_ready)
     try:
         handle = serve.run(build_app(args.to_dict()), name=args.app_name, route_prefix="/", blocking=False)
     finally:
-        serve_logger.removeFilter(hide)
-    logger.info("Application %r is ready at %s/ (its ingress replica serves the port itself)", args.app_name,
-                server_url(args))
+        serve_logger.removeFilter(hide_serve_ready)
+    logger.info("Application %r is ready at %s/", args.app_name, server_url(args))
     return handle
 
 
-class _ProxyReadyLine(logging.Filter):
-    """Drops Serve's "Application 'x' is ready at <URL>." where that URL is its proxy's, which with direct
-    ingress is a spare port, not where the app is served (start_server logs the right one instead)."""
+class _ServeReadyLine(logging.Filter):
+    """Drops Serve's "Application 'x' is ready at <URL>.": the URL is its proxy's, which with direct ingress
+    is a spare port, not where the app is served; start_server logs args.host:args.port instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -276,7 +273,6 @@ def stop_server(app_name: str | None, timeout_s: float = 90.0) -> bool:
     ray.shutdown()
     direct_ingress.forget()
     return deleted.is_set() and not failure
-
 
 
 def _started_ray_process_died() -> bool:
