@@ -38,7 +38,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("registration.cpp", "paged_attention.cpp", "cache.cpp",
-                                                      "gguf_linear.cpp", "elementwise.cpp", "decode_layers.cpp")]
+                                                      "gguf_linear.cpp", "elementwise.cpp", "decode_layers.cpp",
+                                                      "sampling.cpp")]
 # Included by the sources: not compiled on their own, but part of what a build directory is keyed by.
 HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "ops.h")]
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # and -march (`compile_flags`)
@@ -136,7 +137,7 @@ def load_cpu_ops() -> bool:
                     name="pagedserve_cpu_ops",
                     sources=[str(s) for s in SOURCES],
                     extra_cflags=compile_flags(),
-                    extra_ldflags=LDFLAGS,
+                    extra_ldflags=list(LDFLAGS),  # torch's load() appends its own to the list it is given
                     build_directory=str(directory),
                     is_python_module=False,
                     verbose=False,
