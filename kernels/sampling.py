@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels._validate import check_dim
-from pagedserve.kernels.torch_impl.sampling import apply_top_k_top_p_min_p_torch
+from pagedserve.kernels.torch_impl.sampling import apply_top_k_top_p_min_p_torch, greedy_argmax_cpu
 
 
 def apply_top_k_top_p_min_p(
@@ -34,12 +34,8 @@ def apply_top_k_top_p_min_p(
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest value over the last dim: `argmax(dim=-1)`'s answer (the first index
-    among equal maxima; a NaN counts as the largest), for logits of any float dtype.
-
-    On CPU through `max(dim=-1).indices`: the same reduction, 2-3x faster there than `argmax` at a
-    [64, 49152] batch, and fast enough on bf16 logits that a greedy batch need not widen them to
-    float32 first (widening is exact, so the argmax is the same either way).
-    """
+    among equal maxima; a NaN counts as the largest), for logits of any float dtype, without widening
+    bf16 / fp16 logits first. On CPU one compiled op where it built (else `max(dim=-1).indices`)."""
     if logits.is_cuda:
         return logits.argmax(dim=-1)
-    return logits.max(dim=-1).indices
+    return greedy_argmax_cpu(logits)

@@ -15,6 +15,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, "
         "bool is_neox) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("greedy_argmax(Tensor logits) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] params, int[] qtypes, "
         "int[] in_features, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor cos_sin_cache, int num_heads, int num_kv_heads, "

@@ -507,3 +507,49 @@ def test_elementwise_entry_points_use_the_compiled_ops(monkeypatch):
     kernels.silu_and_mul(x)
     cache = kernels.compute_rope_cos_sin_cache(16, 8, 10000.0, None, torch.bfloat16)
     kernels.rotary_embedding(torch.tensor([0, 1]), x, x, cache, 16)
+
+
+@ELEMENTWISE_DTYPES
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 16, 17, 33, 1000, 49152, 49153])
+def test_compiled_greedy_argmax_is_argmax(dtype, width):
+    """The compiled greedy argmax answers as torch's argmax: the first of equal maxima (in one lane, across
+    lanes, in the scalar tail), the first NaN wherever it sits, a row of -inf at 0, +inf over all else."""
+    g = torch.Generator().manual_seed(width)
+    nan, inf = float("nan"), float("inf")
+    logits = torch.randn(8, width, generator=g)
+    logits[1] = (logits[1] * 2).round()  # many ties
+    logits[2] = -inf
+    logits[3, width // 2] = nan
+    logits[3, width - 1] = nan
+    logits[4, width - 1] = nan  # the first NaN in the tail, or in the last vector
+    logits[5, -1] = inf
+    logits[5, 0] = inf
+    logits[6] = 1.0  # every element a maximum
+    logits = logits.to(dtype)
+    got = torch.ops.pagedserve.greedy_argmax(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert torch.equal(kernels.greedy_argmax(logits), got)
+
+
+def test_compiled_greedy_argmax_shapes():
+    """Any leading shape, strided input, an empty batch; a row of no elements is refused by name."""
+    x = torch.randn(4, 3, 50)
+    assert torch.equal(torch.ops.pagedserve.greedy_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(torch.ops.pagedserve.greedy_argmax(x.transpose(0, 1)), x.transpose(0, 1).argmax(dim=-1))
+    assert torch.equal(torch.ops.pagedserve.greedy_argmax(x[..., ::2]), x[..., ::2].argmax(dim=-1))
+    assert torch.ops.pagedserve.greedy_argmax(torch.randn(0, 5)).shape == (0,)
+    assert torch.ops.pagedserve.greedy_argmax(torch.randn(7)).shape == ()
+    with pytest.raises(RuntimeError, match="last dimension of logits is empty"):
+        torch.ops.pagedserve.greedy_argmax(torch.randn(3, 0))
+
+
+def test_greedy_argmax_entry_point_uses_the_compiled_op(monkeypatch):
+    from pagedserve.kernels.torch_impl import sampling
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the twin ran")
+
+    monkeypatch.setattr(sampling, "greedy_argmax_torch", refuse)
+    logits = torch.randn(3, 100, dtype=torch.bfloat16)
+    assert torch.equal(kernels.greedy_argmax(logits), logits.argmax(dim=-1))
