@@ -29,6 +29,16 @@ def test_cpu_ops_build_on_this_machine():
     assert cpu_ops_available()
 
 
+def test_ahead_of_time_build_names_the_folder_it_loaded_from():
+    """`python -m pagedserve.kernels.cpu` prints the build folder, which exists and holds the library (torch's
+    load() once appended its flags to the list it was given, and the folder named afterwards was another)."""
+    result = subprocess.run([sys.executable, "-m", "pagedserve.kernels.cpu"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    folder = result.stdout.rsplit("(", 1)[1].split(",")[0]
+    assert os.path.isfile(os.path.join(folder, "pagedserve_cpu_ops.so")), result.stdout
+
+
 def test_build_directory_is_keyed_by_the_torch_installation_and_the_compiler(monkeypatch, tmp_path):
     """Issue 34: two venvs on one machine share ~/.cache/pagedserve; with the same torch version but each its
     own torch install, each keeps its own build instead of the two rebuilding in turn."""
