@@ -5,6 +5,11 @@ exact. Servers listen on 127.0.0.1 and are shut down by the command; no timing i
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -126,6 +131,39 @@ def test_bench_throughput_dataset(model, tmp_path):
     (run,) = report["runs"]
     assert run["num_requests"] == 1 and run["output_tokens"] == 5 and run["roofline"] == {}
     assert report["machine"] is None
+
+
+def test_ctrl_c_during_a_bench_exits_130_with_one_line(model, roofline_file, tmp_path):
+    """SIGINT while `pagedserve bench throughput` runs: the command stops, says so in one line (no
+    traceback) and exits 130, as a shell reports a process stopped by SIGINT."""
+    command = [sys.executable, "-m", "pagedserve.cli", "bench", "throughput", model, "--num-prompts", "4000",
+               "--input-len", "16", "--output-len", "256", "--kv-cache-memory", "16MiB",
+               "--host-overhead-batch-sizes", "none", "--roofline-file", roofline_file]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        assert "pagedserve bench throughput" in process.stdout.readline()  # the engine is being built
+        time.sleep(3.0)
+        assert process.poll() is None, "the workload ended before the interrupt"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, stderr[-3000:]
+    assert "pagedserve: interrupted" in stderr and "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_interrupted_command_reports_instead_of_raising(monkeypatch, capsys):
+    from pagedserve.bench import cli as bench_cli
+
+    def interrupted(ns):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_cli, "run_bench_command", interrupted)
+    assert main(["bench", "throughput", "--num-prompts", "1"]) == 130
+    assert capsys.readouterr().err.strip() == "pagedserve: interrupted"
 
 
 def test_bench_serve_start_server(model, roofline_file, tmp_path):
