@@ -307,10 +307,22 @@ def roofline_file() -> Path:
     return root / "roofline.json"
 
 
+# Settings that change which kernels torch's matmuls run (oneDNN's ISA cap, ATen's vector level): figures
+# probed under one are not the machine's figures without it.
+PROBE_SETTINGS_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
 def _cache_key() -> str:
+    """This machine (host name, CPU model, torch's vector ISA: one home directory may serve several VMs),
+    its thread count, and any probe-changing settings in the environment."""
     import torch
 
-    return f"cpu:{platform.machine()}:{platform.node()}:threads={torch.get_num_threads()}"
+    from pagedserve.bench.report import cpu_features
+
+    cpu = cpu_features()
+    settings = "".join(f":{name}={os.environ[name]}" for name in PROBE_SETTINGS_ENV if os.environ.get(name))
+    return (f"cpu:{platform.machine()}:{platform.node()}:{cpu['cpu_model']}:{cpu['cpu_capability']}"
+            f":threads={torch.get_num_threads()}{settings}")
 
 
 def machine_figures(path: Path | None = None, remeasure: bool = False, **probe_kwargs: Any) -> Machine:

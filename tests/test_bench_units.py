@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -161,6 +162,27 @@ def test_probe_smoke_and_cache(tmp_path, monkeypatch):
     path.write_text("not json")
     assert machine_figures(path, bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",),
                            repeats=1).memory_bandwidth > 0
+
+
+def test_cached_figures_are_keyed_by_the_settings_that_change_the_probe(tmp_path, monkeypatch):
+    """Figures probed with oneDNN held to an older ISA are not reused without the cap, nor the other way."""
+    real_probe, probes = roofline.probe, []
+
+    def counted(**kwargs):
+        probes.append(os.environ.get("ONEDNN_MAX_CPU_ISA"))
+        return real_probe(bandwidth_bytes=1 << 20, matmul_side=32, dtypes=("float32",), repeats=1)
+
+    monkeypatch.setattr(roofline, "probe", counted)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    path = tmp_path / "roofline.json"
+    machine_figures(path)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    machine_figures(path)
+    machine_figures(path)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    machine_figures(path)
+    assert probes == [None, "AVX2"]
+    assert len(json.loads(path.read_text())) == 2
 
 
 # ----------------------------------------------------------------------------- the HF baseline's sweep
