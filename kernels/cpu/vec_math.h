@@ -8,6 +8,9 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -61,13 +64,24 @@ static inline vec16 load16(const float* p) {
   return v;
 }
 
+// bf16 <-> float widths changed by one instruction on AVX-512 (vpmovzxwd / vpmovdw): GCC lowers the
+// generic 16-lane conversions to two 8-lane halves and a merge (~6 instructions), which perf put at about
+// a quarter of SiLU-and-mul's time at decode batch 64.
 static inline vec16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+  vec16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+#else
   u16x16 h;
   std::memcpy(&h, p, sizeof(h));
   const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
   vec16 v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
+#endif
 }
 
 static inline vec16 load16(const c10::Half* p) {
@@ -92,10 +106,16 @@ static inline void store16(c10::BFloat16* p, vec16 v) {
     std::memcpy(&as_float, &out, sizeof(out));
     return as_float;
   }, v);
+#if defined(__AVX512F__)
+  __m512i bits;
+  std::memcpy(&bits, &rounded, sizeof(bits));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+#else
   u32x16 bits;
   std::memcpy(&bits, &rounded, sizeof(bits));
   const u16x16 h = __builtin_convertvector(bits, u16x16);
   std::memcpy(static_cast<void*>(p), &h, sizeof(h));
+#endif
 }
 
 static inline void store16(c10::Half* p, vec16 v) {
