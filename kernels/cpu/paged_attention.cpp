@@ -67,37 +67,16 @@ inline float hsum(vec16 v) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-#if defined(__AVX512F__)
-using dot_vec = vec16;  // the generic path's vectors: one register wide
-inline dot_vec load_dot(const float* p) { return load16(p); }
+// The generic path's vectors: one register wide. On AVX2 16-float vectors are register pairs, and the four
+// accumulators of dot_heads with their operands spill (the generic path measured 4x slower).
+using dot_vec = pagedserve_cpu::native_vec;
 template <typename T>
-inline dot_vec load_dot(const T* p) { return load16(p); }
+inline dot_vec load_dot(const T* p) {
+  return pagedserve_cpu::load_native(p);
+}
+#if defined(__AVX512F__)
 inline float hsum_dot(dot_vec v) { return hsum(v); }
 #else
-// Narrower targets (AVX2): 8 floats, one register. 16-float vectors there are register pairs, and the
-// four accumulators of dot_heads with their operands spill (the generic path measured 4x slower).
-using dot_vec = vec8;
-inline dot_vec load_dot(const float* p) {
-  dot_vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline dot_vec load_dot(const c10::BFloat16* p) {  // the 16 bits are the top half of the float
-  using u16x8 = uint16_t __attribute__((vector_size(16)));
-  using u32x8 = uint32_t __attribute__((vector_size(32)));
-  u16x8 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  dot_vec v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-inline dot_vec load_dot(const c10::Half* p) {
-  using f16x8 = _Float16 __attribute__((vector_size(16)));
-  f16x8 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, dot_vec);
-}
 inline float hsum_dot(dot_vec v) {
   const vec4 h4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);

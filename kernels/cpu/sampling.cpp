@@ -26,46 +26,10 @@
 
 namespace {
 
-using pagedserve_cpu::i32x16;
-using pagedserve_cpu::i32x8;
-using pagedserve_cpu::load16;
-using pagedserve_cpu::vec16;
-using pagedserve_cpu::vec8;
-
-#if defined(__AVX512F__)
-using fvec = vec16;
-using ivec = i32x16;
-constexpr int64_t kWidth = 16;
-template <typename T>
-inline fvec load_lanes(const T* p) {
-  return load16(p);
-}
-#else
-using fvec = vec8;
-using ivec = i32x8;
-constexpr int64_t kWidth = 8;
-using u16x8 = uint16_t __attribute__((vector_size(16)));
-using u32x8 = uint32_t __attribute__((vector_size(32)));
-using f16x8 = _Float16 __attribute__((vector_size(16)));
-inline fvec load_lanes(const float* p) {
-  fvec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline fvec load_lanes(const c10::BFloat16* p) {  // the 16 bits are the top half of the float
-  u16x8 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  fvec v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-inline fvec load_lanes(const c10::Half* p) {
-  f16x8 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, fvec);
-}
-#endif
+using fvec = pagedserve_cpu::native_vec;
+using ivec = pagedserve_cpu::int_vec_of<fvec>;
+using pagedserve_cpu::load_native;
+constexpr int64_t kWidth = sizeof(fvec) / sizeof(float);
 
 template <typename T>
 int64_t first_nan(const T* row, int64_t n) {
@@ -84,11 +48,11 @@ int64_t row_argmax(const T* row, int64_t n) {
   if (n >= kWidth) {
     ivec lane_index;
     for (int64_t l = 0; l < kWidth; ++l) lane_index[l] = static_cast<int32_t>(l);
-    fvec lane_best = load_lanes(row);
+    fvec lane_best = load_native(row);
     ivec lane_best_index = lane_index;
     ivec nan = lane_best != lane_best;
     for (i = kWidth; i + kWidth <= n; i += kWidth) {
-      const fvec v = load_lanes(row + i);
+      const fvec v = load_native(row + i);
       const ivec greater = v > lane_best;  // strictly: a lane keeps the first index of its maximum
       lane_best = greater ? v : lane_best;
       lane_best_index = greater ? lane_index + static_cast<int32_t>(i) : lane_best_index;

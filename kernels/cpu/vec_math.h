@@ -90,6 +90,39 @@ static inline vec16 load16(const c10::Half* p) {
   return __builtin_convertvector(h, vec16);
 }
 
+// The machine's float vector, one register wide (16 floats on AVX-512, 8 on narrower targets), and loads
+// into it converting bf16 / fp16 as load16 does: for loops that keep several vectors live or compare and
+// select on them, where 16-float vectors on AVX2 are register pairs that spill or scalarise.
+#if defined(__AVX512F__)
+using native_vec = vec16;
+template <typename T>
+static inline native_vec load_native(const T* p) {
+  return load16(p);
+}
+#else
+using native_vec = vec8;
+static inline native_vec load_native(const float* p) {
+  native_vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+static inline native_vec load_native(const c10::BFloat16* p) {  // the 16 bits are the top half of the float
+  using u16x8 = uint16_t __attribute__((vector_size(16)));
+  u16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  native_vec v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+static inline native_vec load_native(const c10::Half* p) {
+  using f16x8 = _Float16 __attribute__((vector_size(16)));
+  f16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, native_vec);
+}
+#endif
+
 // 16 floats rounded to the element type, as static_cast<T> rounds each: to nearest even, NaN to the
 // quiet NaN c10 writes for bf16.
 static inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
