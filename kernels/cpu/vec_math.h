@@ -22,6 +22,7 @@ using vec16 = float __attribute__((vector_size(64)));
 using i32x16 = int32_t __attribute__((vector_size(64)));
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 using u16x16 = uint16_t __attribute__((vector_size(32)));
+using u16x8 = uint16_t __attribute__((vector_size(16)));
 using f16x16 = _Float16 __attribute__((vector_size(32)));
 using vec8 = float __attribute__((vector_size(32)));
 using i32x8 = int32_t __attribute__((vector_size(32)));
@@ -64,6 +65,18 @@ static inline vec16 load16(const float* p) {
   return v;
 }
 
+// bf16 widened to float in generic vector code, at any width (V floats from U16 halves through U32): the
+// 16 bits are the top half of the float.
+template <typename V, typename U16, typename U32>
+static inline V widen_bf16(const c10::BFloat16* p) {
+  U16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32 w = __builtin_convertvector(h, U32) << 16;
+  V v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
 // bf16 <-> float widths changed by one instruction on AVX-512 (vpmovzxwd / vpmovdw): GCC lowers the
 // generic 16-lane conversions to two 8-lane halves and a merge (~6 instructions), which perf put at about
 // a quarter of SiLU-and-mul's time at decode batch 64.
@@ -75,12 +88,7 @@ static inline vec16 load16(const c10::BFloat16* p) {
   std::memcpy(&v, &w, sizeof(v));
   return v;
 #else
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  vec16 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
+  return widen_bf16<vec16, u16x16, u32x16>(p);
 #endif
 }
 
@@ -106,14 +114,8 @@ static inline native_vec load_native(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-static inline native_vec load_native(const c10::BFloat16* p) {  // the 16 bits are the top half of the float
-  using u16x8 = uint16_t __attribute__((vector_size(16)));
-  u16x8 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  native_vec v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
+static inline native_vec load_native(const c10::BFloat16* p) {
+  return widen_bf16<vec8, u16x8, u32x8>(p);
 }
 static inline native_vec load_native(const c10::Half* p) {
   using f16x8 = _Float16 __attribute__((vector_size(16)));
