@@ -182,6 +182,11 @@ inline void to_even_odd(float* x, int64_t n) {
 // block of keys before it starts): the values pass that follows then reads them from cache instead of
 // waiting on memory block by block (64 sequences x 225 tokens x 30 layers of the default model's shapes,
 // bf16, random blocks: 39.3 against 44.1 ms, means of four interleaved runs on a 2-core EPYC guest).
+// Those requests go out a KV head's rows at a time, between the dot products and the value products that
+// use the rows before them, not as one burst of the whole next block at its start: a burst of ~200 lines
+// holds every line-fill buffer, and the rows about to be used waited behind it (2026-11-29, Sapphire Rapids
+// VM, the same 30 layers, 64 sequences of 64-383 tokens: 33.5 -> 23.5 ms on two threads, 58.7 -> 39.7 on
+// one; means of interleaved runs).
 constexpr int64_t kPrefetchStride = 64;
 
 // Lane t of the result is the sum of the 16 lanes of acc[t].
@@ -256,8 +261,8 @@ inline __m512 dots16(const T* k, int64_t stride, const float* q, int64_t head_si
   return sum_each16(acc);
 }
 
-// Where the work item's rows are: token t's row (all KV heads) is block_row(t); the block holding t ends
-// at block_end(t); the next block's rows are requested while this one is processed.
+// Where the work item's rows are: token t's row (all KV heads) is row(t); the block holding t ends at
+// block_end(t); prefetch_block_of(t) requests the whole block holding t (an item's first, before it starts).
 template <typename T>
 struct PagedRows {
   const T* cache;
@@ -291,13 +296,20 @@ void key_scores(const PagedRows<T>& rows, const PagedRows<T>& values, int64_t kv
   if (t0 < t1) rows.prefetch_block_of(t0);
   for (int64_t t = t0; t < t1;) {
     const int64_t block_end = rows.block_end(t, t1);
-    if (block_end < t1) rows.prefetch_block_of(block_end);
-    values.prefetch_block_of(t);
+    const T* next_keys = block_end < t1 ? rows.row(block_end) : nullptr;  // the next block's first row
     for (; t < block_end;) {
       const int64_t m = std::min<int64_t>(16, block_end - t);
       const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
       const T* base = rows.row(t);
+      const T* vals = values.row(t);
+      const int64_t first = t % rows.block_size;  // these keys' first row within their block
       for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        // This KV head's rows of the next block's keys and of these tokens' values, requested before its
+        // dot products (see "The next block's rows" above).
+        for (int64_t i = 0; i < m; ++i) {
+          if (next_keys != nullptr) prefetch_row(next_keys + (first + i) * rows.token_stride + kh * kv_stride, head_size);
+          prefetch_row(vals + i * rows.token_stride + kh * kv_stride, head_size);
+        }
         const T* keys = base + kh * kv_stride;
         int64_t key_stride = rows.token_stride;
         if (m < 16) {
@@ -318,14 +330,16 @@ void key_scores(const PagedRows<T>& rows, const PagedRows<T>& values, int64_t kv
 
 // acc[g * head_size + v * 16 ...] += sum over n tokens (rows `token_stride` apart) of p[g * stride + j] *
 // row_j[v * 16 ...], for NH query heads and NV 16-wide slices of the head dimension: the NH x NV
-// accumulators stay in registers over the run.
+// accumulators stay in registers over the run. `ahead` (or null): the same slices of the next block's rows,
+// requested one row per row used.
 template <typename T, int NH, int NV>
 void value_tile(const T* row, int64_t token_stride, int64_t n, const float* p, int64_t stride, float* acc,
-                int64_t head_size) {
+                int64_t head_size, const T* ahead) {
   __m512 a[NH][NV];
   for (int g = 0; g < NH; ++g)
     for (int v = 0; v < NV; ++v) a[g][v] = _mm512_loadu_ps(acc + g * head_size + v * 16);
   for (int64_t j = 0; j < n; ++j, row += token_stride) {
+    if (ahead != nullptr) prefetch_row(ahead + j * token_stride, NV * 16);
     __m512 x[NV];
     if constexpr (kEvenOdd<T> && NV % 2 == 0) {  // the accumulators hold each 32 dimensions as [even, odd]
       for (int v = 0; v < NV; v += 2) widen32_even_odd(row + v * 16, x[v], x[v + 1]);
@@ -343,26 +357,27 @@ void value_tile(const T* row, int64_t token_stride, int64_t n, const float* p, i
 
 template <typename T, int NV>
 void value_tile_heads(int64_t nh, const T* row, int64_t token_stride, int64_t n, const float* p, int64_t stride,
-                      float* acc, int64_t head_size) {
+                      float* acc, int64_t head_size, const T* ahead) {
   switch (nh) {
-    case 1: value_tile<T, 1, NV>(row, token_stride, n, p, stride, acc, head_size); break;
-    case 2: value_tile<T, 2, NV>(row, token_stride, n, p, stride, acc, head_size); break;
-    case 3: value_tile<T, 3, NV>(row, token_stride, n, p, stride, acc, head_size); break;
-    case 4: value_tile<T, 4, NV>(row, token_stride, n, p, stride, acc, head_size); break;
-    case 5: value_tile<T, 5, NV>(row, token_stride, n, p, stride, acc, head_size); break;
-    default: value_tile<T, 6, NV>(row, token_stride, n, p, stride, acc, head_size); break;
+    case 1: value_tile<T, 1, NV>(row, token_stride, n, p, stride, acc, head_size, ahead); break;
+    case 2: value_tile<T, 2, NV>(row, token_stride, n, p, stride, acc, head_size, ahead); break;
+    case 3: value_tile<T, 3, NV>(row, token_stride, n, p, stride, acc, head_size, ahead); break;
+    case 4: value_tile<T, 4, NV>(row, token_stride, n, p, stride, acc, head_size, ahead); break;
+    case 5: value_tile<T, 5, NV>(row, token_stride, n, p, stride, acc, head_size, ahead); break;
+    default: value_tile<T, 6, NV>(row, token_stride, n, p, stride, acc, head_size, ahead); break;
   }
 }
 
 // The probability-weighted values of the item's query heads, added into acc [heads, head_size]: block by
 // block, every KV head of a block before the next block, in tiles of up to 6 query heads x 64 dimensions
-// (24 accumulator registers) that stay in registers over the block.
+// (24 accumulator registers) that stay in registers over the block. The first tile of a KV head's query
+// heads requests the next block's rows of that head as it goes.
 template <typename T>
 void weighted_values(const PagedRows<T>& rows, int64_t kv_heads, int64_t kv_stride, int64_t t0, int64_t t1,
                      const float* probs, int64_t stride, int64_t group, int64_t head_size, float* acc) {
   for (int64_t t = t0; t < t1;) {
     const int64_t block_end = rows.block_end(t, t1), n = block_end - t;
-    if (block_end < t1) rows.prefetch_block_of(block_end);
+    const T* next = block_end < t1 ? rows.row(block_end) : nullptr;
     const T* base = rows.row(t);
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
       for (int64_t g = kh * group; g < (kh + 1) * group; g += 6) {
@@ -370,16 +385,17 @@ void weighted_values(const PagedRows<T>& rows, int64_t kv_heads, int64_t kv_stri
         const float* p = probs + g * stride + (t - t0);
         for (int64_t d = 0; d < head_size;) {
           const T* row = base + kh * kv_stride + d;
+          const T* ahead = next != nullptr && g == kh * group ? next + kh * kv_stride + d : nullptr;
           float* a = acc + g * head_size + d;
           const int64_t left = (head_size - d) / 16;
           if (left >= 4) {
-            value_tile_heads<T, 4>(nh, row, rows.token_stride, n, p, stride, a, head_size);
+            value_tile_heads<T, 4>(nh, row, rows.token_stride, n, p, stride, a, head_size, ahead);
             d += 64;
           } else if (left >= 2) {
-            value_tile_heads<T, 2>(nh, row, rows.token_stride, n, p, stride, a, head_size);
+            value_tile_heads<T, 2>(nh, row, rows.token_stride, n, p, stride, a, head_size, ahead);
             d += 32;
           } else {
-            value_tile_heads<T, 1>(nh, row, rows.token_stride, n, p, stride, a, head_size);
+            value_tile_heads<T, 1>(nh, row, rows.token_stride, n, p, stride, a, head_size, ahead);
             d += 16;
           }
         }
