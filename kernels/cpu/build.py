@@ -41,7 +41,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("registration.cpp", "page
                                                       "gguf_linear.cpp", "elementwise.cpp", "decode_layers.cpp",
                                                       "sampling.cpp")]
 # Included by the sources: not compiled on their own, but part of what a build directory is keyed by.
-HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "ops.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "ops.h", "work_sharing.h")]
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # and -march (`compile_flags`)
 LDFLAGS = ["-fopenmp"]
 ENV_SWITCH = "PAGEDSERVE_CPU_OPS"

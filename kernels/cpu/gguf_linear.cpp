@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "work_sharing.h"
 
 namespace {
 
@@ -1157,12 +1158,13 @@ void amx_gemm(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t 
   amx_pack_x(x.data_ptr<c10::BFloat16>(), M, K, row_blocks, packed.data());
   c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
   const int64_t strips = (N + kAmxStripRows - 1) / kAmxStripRows;
-  const int64_t grain = M * N * K < kInlineWork ? strips : 1;
-  at::parallel_for(0, strips, grain, [&](int64_t s0, int64_t s1) {
+  // Strips are claimed one at a time (work_sharing.h): fixed halves left one thread waiting for the other.
+  const int64_t threads = M * N * K < kInlineWork ? 1 : at::get_num_threads();
+  pagedserve_cpu::run_claiming(strips, threads, [&](pagedserve_cpu::Claims& claims) {
     auto* strip = static_cast<c10::BFloat16*>(thread_tile_buffer(kAmxStripRows * K * sizeof(c10::BFloat16)));
     alignas(64) float acc[4][256];
     amx_configure();
-    for (int64_t s = s0; s < s1; ++s) {
+    for (int64_t s = claims.next(); s >= 0; s = claims.next()) {
       const int64_t n0 = s * kAmxStripRows;
       for (int64_t r = 0; r < kAmxStripRows; ++r) {  // rows past N are zeros (their outputs are dropped)
         c10::BFloat16* dst = strip + r * K;

@@ -30,6 +30,7 @@
 #endif
 
 #include "ops.h"
+#include "work_sharing.h"
 
 namespace {
 
@@ -484,23 +485,14 @@ inline int64_t item_work(const WorkItem& it) {
   return (it.token_end - it.token_begin) * (it.kv_head_end - it.kv_head_begin);
 }
 
-// Boundaries of `runs` contiguous runs of items of about equal work (bounds[r] .. bounds[r + 1]), one
-// per thread: a batch's sequences sit at different positions, so equal numbers of items are not equal
-// work, and a thread done early would wait at the region's end for the other. Which thread runs an item
-// never changes its arithmetic.
-std::vector<int64_t> balanced_runs(const std::vector<WorkItem>& items, int64_t runs, int64_t total_work) {
-  const int64_t n = static_cast<int64_t>(items.size());
-  runs = std::max<int64_t>(1, std::min(runs, n));
-  std::vector<int64_t> bounds{0};
-  int64_t done = 0, i = 0;
-  for (int64_t r = 1; r < runs; ++r) {
-    const int64_t target = total_work * r / runs;
-    // Take items while the run's end stays nearer to the target with the item than without it.
-    while (i < n - (runs - r) && done + item_work(items[i]) / 2 < target) done += item_work(items[i++]);
-    bounds.push_back(i);
-  }
-  bounds.push_back(n);
-  return bounds;
+// The items in the order they are claimed: the most work first, so that the last claims, which decide how
+// long a thread waits for the other at the end, are the smallest.
+std::vector<int64_t> claim_order(const std::vector<WorkItem>& items) {
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return item_work(items[a]) > item_work(items[b]); });
+  return order;
 }
 
 template <typename T>
@@ -535,10 +527,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
   int64_t work = 0;
   for (const WorkItem& it : items) work += item_work(it);
   const bool run_inline = work * group * head_size < (fast ? kInlineWorkAvx512 : kInlineWork);
-  const std::vector<int64_t> bounds = balanced_runs(items, run_inline ? 1 : at::get_num_threads(), work);
-  const int64_t num_runs = static_cast<int64_t>(bounds.size()) - 1;
-  at::parallel_for(0, num_runs, 1, [&](int64_t run_begin, int64_t run_end) {
-    const int64_t begin = bounds[run_begin], end = bounds[run_end];
+  const std::vector<int64_t> order = claim_order(items);
+  pagedserve_cpu::run_claiming(num_items, run_inline ? 1 : at::get_num_threads(), [&](pagedserve_cpu::Claims& claims) {
     // Per-thread scratch, reused across calls (a call allocating seven buffers costs more than a short
     // context's arithmetic): the query widened to float, a row widened to float (generic path), the
     // scores, the accumulator of items that write their output directly (partials have their own slots),
@@ -552,8 +542,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache, const a
     float* sum_of = scores + score_elems;
     float* probs = sum_of + num_heads;
     T* tile = reinterpret_cast<T*>(probs + group);
-    for (int64_t i = begin; i < end; ++i) {
-      const WorkItem& it = items[i];
+    for (int64_t claim = claims.next(); claim >= 0; claim = claims.next()) {
+      const WorkItem& it = items[order[claim]];
       const int64_t t0 = it.token_begin, t1 = it.token_end, n = t1 - t0;
       const int64_t kv_begin = it.kv_head_begin, kv_end = it.kv_head_end;
       const int64_t h_begin = kv_begin * group, h_end = kv_end * group;

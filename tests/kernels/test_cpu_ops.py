@@ -4,6 +4,7 @@ point's choice between them, the fallback when the build is off or fails, and hu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -155,6 +156,15 @@ def test_build_directory_changes_with_the_included_header(monkeypatch, tmp_path)
     assert build.build_directory() != before
 
 
+def test_every_included_header_is_hashed_into_the_build():
+    """A header the sources include but HEADERS leaves out would keep a stale build after it changes."""
+    from pagedserve.kernels.cpu import build
+
+    included = {name for path in build.SOURCES + build.HEADERS
+                for name in re.findall(r'#include "([^"]+)"', path.read_text())}
+    assert included and included <= {path.name for path in build.HEADERS}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size",
@@ -187,12 +197,12 @@ def test_compiled_decode_sliding_window(sliding_window):
 
 @pytest.mark.parametrize("seq_lens", [
     [300, 7, 64, 1000],  # few sequences: contexts split into partitions
-    [900] + [3] * 18 + [200, 5],  # a batch not split, its work piled at both ends: runs of unequal counts
+    [900] + [3] * 18 + [200, 5],  # a batch not split, its work piled at both ends: items of unequal work
 ])
 def test_compiled_decode_is_bitwise_stable_across_thread_counts_and_close_across_batches(seq_lens):
     """The thread count never changes the arithmetic (seeded sampling must not depend on the machine);
-    a sequence alone or in another batch may be partitioned differently, within rounding. Threads take
-    runs of about equal work, not equal numbers of sequences."""
+    a sequence alone or in another batch may be partitioned differently, within rounding. Threads claim
+    work items one at a time, the largest first (whichever thread takes an item, its arithmetic is the same)."""
     batch = make_paged_batch(seq_lens, 2, 64, 16, torch.bfloat16, seed=5)
     query = torch.randn(len(seq_lens), 8, 64).to(torch.bfloat16)
     threads = torch.get_num_threads()
