@@ -71,10 +71,7 @@ inline float hsum(vec16 v) {
 // The generic path's vectors: one register wide. On AVX2 16-float vectors are register pairs, and the four
 // accumulators of dot_heads with their operands spill (the generic path measured 4x slower).
 using dot_vec = pagedserve_cpu::native_vec;
-template <typename T>
-inline dot_vec load_dot(const T* p) {
-  return pagedserve_cpu::load_native(p);
-}
+using pagedserve_cpu::load_native;
 #if defined(__AVX512F__)
 inline float hsum_dot(dot_vec v) { return hsum(v); }
 #else
@@ -91,11 +88,11 @@ template <typename T>
 inline void dot_heads(const float* q, const T* k, int64_t head_size, int64_t count, float* out) {
   dot_vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
   for (int64_t d = 0; d < head_size; d += kDotLanes) {
-    const dot_vec kv = load_dot(k + d);
-    a0 += load_dot(q + d) * kv;
-    if (count > 1) a1 += load_dot(q + head_size + d) * kv;
-    if (count > 2) a2 += load_dot(q + 2 * head_size + d) * kv;
-    if (count > 3) a3 += load_dot(q + 3 * head_size + d) * kv;
+    const dot_vec kv = load_native(k + d);
+    a0 += load_native(q + d) * kv;
+    if (count > 1) a1 += load_native(q + head_size + d) * kv;
+    if (count > 2) a2 += load_native(q + 2 * head_size + d) * kv;
+    if (count > 3) a3 += load_native(q + 3 * head_size + d) * kv;
   }
   out[0] = hsum_dot(a0);
   if (count > 1) out[1] = hsum_dot(a1);
@@ -107,10 +104,10 @@ inline void dot_heads(const float* q, const T* k, int64_t head_size, int64_t cou
 template <typename T>
 inline void axpy_heads(const float* p, const T* v, int64_t head_size, int64_t group, float* acc) {
   for (int64_t d = 0; d < head_size; d += kDotLanes) {
-    const dot_vec vv = load_dot(v + d);
+    const dot_vec vv = load_native(v + d);
     for (int64_t g = 0; g < group; ++g) {
       float* a = acc + g * head_size + d;
-      const dot_vec updated = load_dot(a) + p[g] * vv;
+      const dot_vec updated = load_native(a) + p[g] * vv;
       std::memcpy(a, &updated, sizeof(dot_vec));
     }
   }
@@ -134,12 +131,16 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+// Rows are requested line by line (see "The next block's rows" below).
+constexpr int64_t kPrefetchStride = 64;
+
 // Ask for a future token's K or V row (the item's KV heads) ahead of use: consecutive blocks of a
 // sequence may sit far apart, which the hardware prefetcher cannot guess.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+  const int64_t bytes = elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += kPrefetchStride) __builtin_prefetch(p + off);
 }
 
 // Whether the AVX-512 path reads T's rows as [16 even, 16 odd] per 32 elements (bf16) rather than in order.
@@ -188,7 +189,6 @@ inline void to_even_odd(float* x, int64_t n) {
 // holds every line-fill buffer, and the rows about to be used waited behind it (2026-11-29, Sapphire Rapids
 // VM, the same 30 layers, 64 sequences of 64-383 tokens: 33.5 -> 23.5 ms on two threads, 58.7 -> 39.7 on
 // one; means of interleaved runs).
-constexpr int64_t kPrefetchStride = 64;
 
 // Lane t of the result is the sum of the 16 lanes of acc[t].
 inline __m512 sum_each16(const __m512 (&acc)[16]) {
@@ -276,11 +276,8 @@ struct PagedRows {
   }
   int64_t block_end(int64_t t, int64_t t1) const { return std::min(t1, t - t % block_size + block_size); }
   void prefetch_block_of(int64_t t) const {
-    const char* base = reinterpret_cast<const char*>(cache + table[t / block_size] * block_stride + head_begin);
-    const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
-    for (int64_t i = 0; i < block_size; ++i)
-      for (int64_t b = 0; b < bytes; b += kPrefetchStride)
-        __builtin_prefetch(base + i * token_stride * static_cast<int64_t>(sizeof(T)) + b);
+    const T* first = cache + table[t / block_size] * block_stride + head_begin;
+    for (int64_t i = 0; i < block_size; ++i) prefetch_row(first + i * token_stride, row_elems);
   }
 };
 
